@@ -1,0 +1,35 @@
+"""Pure planning: TensorSpec -> BucketPlan, ZeRO ownership, pack/unpack. Imports numpy only."""
+
+from hybrid.core._arrays import pack, take_shard, unpack
+from hybrid.core._assign import compute_bucket_assignment_by_size
+from hybrid.core._buckets import (
+    DEFAULT_BUCKET_CAP_BYTES,
+    DEFAULT_FIRST_BUCKET_CAP_BYTES,
+    MiB,
+    Bucket,
+    BucketPlan,
+    ddp_size_limits,
+    plan_buckets,
+    rebuild_plan,
+)
+from hybrid.core._dtypes import canonical_dtype, itemsize
+from hybrid.core._shard import (
+    BucketAssignment,
+    BucketSubset,
+    FlatShardPlan,
+    MemberSlice,
+    ParamPartition,
+    assign_buckets,
+    partition_params,
+    shard_flat,
+)
+from hybrid.core._spec import TensorSpec
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB",
+    "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "MemberSlice",
+    "ParamPartition", "TensorSpec",
+    "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",
+    "itemsize", "pack", "partition_params", "plan_buckets", "rebuild_plan", "shard_flat",
+    "take_shard", "unpack",
+]

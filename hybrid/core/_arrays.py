@@ -1,0 +1,133 @@
+"""pack / unpack / shard slicing, written once for numpy, torch and jax.numpy arrays.
+
+The core never imports torch or jax: an input's framework is recognised by its type's module, and
+that framework is already imported if the caller holds such an array.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from hybrid.core._buckets import BucketPlan
+from hybrid.core._dtypes import canonical_dtype
+from hybrid.core._shard import FlatShardPlan
+
+
+class _Numpy:
+    def __init__(self, np):
+        self.np = np
+
+    def flat(self, a):
+        return self.np.reshape(a, (-1,))
+
+    def concat(self, parts, like):
+        return self.np.concatenate(parts) if parts else self.np.zeros((0,), dtype=like.dtype)
+
+    def zeros(self, n, like):
+        return self.np.zeros((n,), dtype=like.dtype)
+
+    def reshape(self, a, shape):
+        return self.np.reshape(a, shape)
+
+
+class _Torch:
+    def __init__(self, torch):
+        self.torch = torch
+
+    def flat(self, a):
+        return a.reshape(-1)
+
+    def concat(self, parts, like):
+        return self.torch.cat(parts) if parts else like.new_zeros((0,))
+
+    def zeros(self, n, like):
+        return like.new_zeros((n,))
+
+    def reshape(self, a, shape):
+        return a.view(shape)
+
+
+def _namespace(array):
+    module = type(array).__module__.split(".")[0]
+    if module == "torch":
+        return _Torch(sys.modules["torch"])
+    if module in ("jax", "jaxlib"):
+        return _Numpy(sys.modules["jax.numpy"])
+    if module == "numpy":
+        return _Numpy(sys.modules["numpy"])
+    raise TypeError(f"pack/unpack take numpy, torch or jax arrays, got {type(array).__name__}")
+
+
+def _dtype_name(array) -> str:
+    return canonical_dtype(array.dtype)
+
+
+def pack(plan: BucketPlan, bucket_index: int, arrays: Sequence, *, length: int | None = None):
+    """Concatenate a bucket's members into one flat array laid out as the plan says.
+
+    Args:
+      plan: the bucket plan.
+      bucket_index: which bucket.
+      arrays: one array per spec of the plan (all of them, indexed like ``plan.specs``); only the
+        bucket's members are read. numpy, torch and jax arrays all work, and the result is of
+        the same kind.
+      length: pad the result with zeros to this many elements (e.g. a FlatShardPlan's
+        ``padded_length``); default the bucket's own length.
+
+    >>> import numpy as np
+    >>> from hybrid.core import TensorSpec, plan_buckets
+    >>> plan = plan_buckets([TensorSpec("a", (2,), "float32"), TensorSpec("b", (1, 2), "float32")])
+    >>> pack(plan, 0, [np.ones(2, np.float32), np.zeros((1, 2), np.float32)]).tolist()
+    [1.0, 1.0, 0.0, 0.0]
+    """
+    bucket = plan.buckets[bucket_index]
+    if len(arrays) != len(plan.specs):
+        raise ValueError(f"pack needs one array per spec ({len(plan.specs)}), got {len(arrays)}")
+    length = bucket.length if length is None else length
+    if length < bucket.length:
+        raise ValueError(f"length {length} is shorter than bucket {bucket_index}'s {bucket.length} elements")
+    like = arrays[bucket.members[0]]
+    xp = _namespace(like)
+    parts, end = [], 0
+    for m, offset in zip(bucket.members, bucket.offsets):
+        spec, a = plan.specs[m], arrays[m]
+        if tuple(a.shape) != spec.shape or _dtype_name(a) != spec.dtype:
+            raise ValueError(f"tensor {spec.name!r}: expected {spec.dtype}{list(spec.shape)}, "
+                             f"got {_dtype_name(a)}{list(a.shape)}")
+        if offset > end:
+            parts.append(xp.zeros(offset - end, like))
+        parts.append(xp.flat(a))
+        end = offset + spec.numel
+    if length > end:
+        parts.append(xp.zeros(length - end, like))
+    return xp.concat(parts, like)
+
+
+def unpack(plan: BucketPlan, bucket_index: int, flat) -> dict[int, object]:
+    """Split a flat bucket back into its members: ``{spec_index: array}``.
+
+    numpy and torch results are views of ``flat``; jax results are slices.
+
+    >>> import numpy as np
+    >>> from hybrid.core import TensorSpec, plan_buckets
+    >>> plan = plan_buckets([TensorSpec("a", (2,), "float32"), TensorSpec("b", (1, 2), "float32")])
+    >>> {k: v.shape for k, v in unpack(plan, 0, np.arange(4, dtype=np.float32)).items()}
+    {0: (2,), 1: (1, 2)}
+    """
+    bucket = plan.buckets[bucket_index]
+    if flat.shape[0] < bucket.length or len(flat.shape) != 1:
+        raise ValueError(f"bucket {bucket_index} needs a 1-D array of at least {bucket.length} elements, "
+                         f"got shape {tuple(flat.shape)}")
+    xp = _namespace(flat)
+    return {m: xp.reshape(flat[o:o + n], plan.specs[m].shape)
+            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels)}
+
+
+def take_shard(shards: FlatShardPlan, bucket_index: int, rank: int, flat):
+    """Rank ``rank``'s slice of a bucket padded to ``shards.padded_length(bucket_index)``."""
+    if flat.shape[0] != shards.padded_length(bucket_index):
+        raise ValueError(f"bucket {bucket_index} must be padded to {shards.padded_length(bucket_index)} "
+                         f"elements before sharding, got {flat.shape[0]}")
+    start, stop = shards.shard_range(bucket_index, rank)
+    return flat[start:stop]
