@@ -1,9 +1,143 @@
-"""``python -m hybrid plan`` (being written)."""
+"""``python -m hybrid plan``: the bucket table and the ZeRO view of a model.
+
+Sources: a built-in example (``--model``), a torch module factory (``--module pkg.mod:factory``)
+or a JSON list of specs (``--specs FILE``). ``--json`` prints one JSON object instead of tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from hybrid._examples import EXAMPLES
+from hybrid._table import format_table, human_bytes
+from hybrid.core import (MiB, OPTIMIZER_STATE_COPIES, TensorSpec, itemsize, partition_params, plan_buckets,
+                         shard_flat, zero_memory)
+from hybrid.core._spec import check_specs, specs_from_json
 
 
-def add_parser(sub):
-    return sub.add_parser("plan", help="print the bucket plan and ZeRO view of a model")
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="print the bucket plan and ZeRO view of a model",
+                       description="Print the DDP bucket table and per-rank ZeRO view of a model.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", choices=sorted(EXAMPLES), help="a built-in example (default: gpt2-small)")
+    source.add_argument("--module", metavar="PKG.MOD:FACTORY",
+                        help="a torch module: FACTORY() is called and its trainable parameters planned")
+    source.add_argument("--specs", metavar="FILE", type=Path,
+                        help='JSON list of specs: [{"name": .., "shape": [..], "dtype": "float32"}, ..]')
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap in MiB (torch's bucket_cap_mb)")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="cap of the first bucket in MiB")
+    p.add_argument("--world-size", type=int, default=4, help="number of data-parallel ranks for the ZeRO view")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_COPIES), default="adam")
+    p.add_argument("--master-weights", action="store_true",
+                   help="count fp32 master weights in optimizer state (mixed-precision training)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def load_specs(args) -> tuple[str, tuple[TensorSpec, ...]]:
+    """The specs named by the command line, and a label for them."""
+    if args.specs is not None:
+        try:
+            data = json.loads(args.specs.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"hybrid plan: cannot read specs from {args.specs}: {e}")
+        items = data["specs"] if isinstance(data, dict) else data
+        try:
+            return str(args.specs), specs_from_json(items)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SystemExit(f"hybrid plan: bad spec in {args.specs}: {e!r}")
+    if args.module is not None:
+        return args.module, specs_of_module(args.module)
+    name = args.model or "gpt2-small"
+    return name, check_specs(EXAMPLES[name]())
+
+
+def specs_of_module(target: str) -> tuple[TensorSpec, ...]:
+    """TensorSpecs of the trainable parameters of ``FACTORY()`` for ``"pkg.mod:FACTORY"``."""
+    module_name, _, factory_name = target.partition(":")
+    if not module_name or not factory_name:
+        raise SystemExit(f"hybrid plan: --module wants PKG.MOD:FACTORY, got {target!r}")
+    sys.path.insert(0, "")  # like `python -m`, let modules in the working directory be found
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"hybrid plan: cannot load {target!r}: {e}")
+    from hybrid.torch import specs as torch_specs  # torch is needed only for this source
+
+    return torch_specs(factory())
+
+
+def build_report(label: str, specs, args) -> dict:
+    for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"hybrid plan: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.world_size < 1:
+        raise SystemExit(f"hybrid plan: --world-size must be >= 1, got {args.world_size}")
+    plan = plan_buckets(specs, bucket_cap_bytes=int(args.bucket_cap_mb * MiB),
+                        first_bucket_cap_bytes=int(args.first_bucket_cap_mb * MiB))
+    partition = partition_params(specs, args.world_size)
+    shards = shard_flat(plan, args.world_size)
+    memory = zero_memory(specs, args.world_size, args.optimizer, master_weights=args.master_weights)
+    k = memory.state_bytes_per_param
+    owned = partition.numel_per_rank()
+    owned_bytes = partition.bytes_per_rank()
+    ideal = sum(s.nbytes for s in specs) / args.world_size
+    # Every rank's flat shard has the same size: one equal slice of each bucket.
+    flat_shard_bytes = sum(size * itemsize(b.dtype) for size, b in zip(shards.shard_sizes, plan.buckets))
+    ranks = []
+    for r in range(args.world_size):
+        ranks.append({
+            "rank": r, "params_owned": owned[r], "bytes_owned": owned_bytes[r],
+            "imbalance_vs_ideal": owned_bytes[r] / ideal - 1 if ideal else 0.0,
+            "flat_shard_bytes": flat_shard_bytes,
+            "zero1_state_bytes": k * owned[r],
+            "zero1_total_bytes": memory.param_bytes + memory.grad_bytes + k * owned[r],
+            "zero2_total_bytes": memory.param_bytes + flat_shard_bytes + k * sum(shards.shard_sizes),
+        })
+    buckets = [{
+        "index": i, "dtype": b.dtype, "device": b.device, "tensors": len(b.members),
+        "bytes": b.nbytes, "size_limit": b.size_limit,
+        "first": specs[b.members[0]].name, "last": specs[b.members[-1]].name,
+    } for i, b in enumerate(plan.buckets)]
+    return {
+        "source": label, "num_tensors": len(specs), "num_params": memory.num_params,
+        "param_bytes": memory.param_bytes, "fingerprint": plan.fingerprint(),
+        "bucket_cap_bytes": int(args.bucket_cap_mb * MiB), "first_bucket_cap_bytes": int(args.first_bucket_cap_mb * MiB),
+        "buckets": buckets, "world_size": args.world_size, "optimizer": args.optimizer,
+        "state_bytes_per_param": k,
+        "formula_bytes_per_rank": {"ddp": memory.ddp, "zero1": memory.zero1, "zero2": memory.zero2},
+        "ranks": ranks,
+    }
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['source']}: {report['num_tensors']} tensors, {report['num_params']:,} parameters, "
+          f"{human_bytes(report['param_bytes'])}; plan {report['fingerprint']}")
+    print(f"\nBuckets (reduced in this order; caps {human_bytes(report['first_bucket_cap_bytes'])} first, "
+          f"then {human_bytes(report['bucket_cap_bytes'])}):")
+    print(format_table(["#", "dtype", "device", "tensors", "bytes", "first tensor", "last tensor"],
+                       [[b["index"], b["dtype"], b["device"], b["tensors"], human_bytes(b["bytes"]), b["first"], b["last"]]
+                        for b in report["buckets"]]))
+    f = report["formula_bytes_per_rank"]
+    print(f"\nZeRO view, world size {report['world_size']}, {report['optimizer']} "
+          f"({report['state_bytes_per_param']} B of optimizer state per parameter):")
+    print(format_table(["rank", "owned (greedy)", "imbalance", "flat shard", "ZeRO-1 state", "ZeRO-1 total", "ZeRO-2 total"],
+                       [[r["rank"], human_bytes(r["bytes_owned"]), f"{100 * r['imbalance_vs_ideal']:+.2f}%",
+                         human_bytes(r["flat_shard_bytes"]), human_bytes(r["zero1_state_bytes"]),
+                         human_bytes(r["zero1_total_bytes"]), human_bytes(r["zero2_total_bytes"])] for r in report["ranks"]]))
+    print(f"\nPaper formulas per rank: DDP {human_bytes(f['ddp'])}, ZeRO-1 {human_bytes(f['zero1'])}, "
+          f"ZeRO-2 {human_bytes(f['zero2'])}")
 
 
 def run(args) -> int:
-    raise NotImplementedError
+    label, specs = load_specs(args)
+    report = build_report(label, specs, args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0

@@ -13,6 +13,7 @@ from hybrid.core._buckets import (
     rebuild_plan,
 )
 from hybrid.core._dtypes import canonical_dtype, itemsize
+from hybrid.core._memory import OPTIMIZER_STATE_COPIES, ZeroMemory, zero_memory
 from hybrid.core._shard import (
     BucketAssignment,
     BucketSubset,
@@ -28,8 +29,8 @@ from hybrid.core._spec import TensorSpec
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB",
     "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "MemberSlice",
-    "ParamPartition", "TensorSpec",
+    "OPTIMIZER_STATE_COPIES", "ParamPartition", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",
     "itemsize", "pack", "partition_params", "plan_buckets", "rebuild_plan", "shard_flat",
-    "take_shard", "unpack",
+    "take_shard", "unpack", "zero_memory",
 ]
