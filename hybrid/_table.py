@@ -24,7 +24,9 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
 
 
 def human_bytes(n: float) -> str:
-    """>>> human_bytes(3 << 20)
+    """Bytes in binary units.
+
+    >>> human_bytes(3 << 20)
     '3.00 MiB'
     """
     for unit in ("B", "KiB", "MiB", "GiB"):
