@@ -75,8 +75,11 @@ class BucketPlan:
     buckets: tuple[Bucket, ...]
     size_limits: tuple[int, ...]
     alignment: int = 1
+    _locations: dict = dataclasses.field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "_locations", {
+            m: (b, k) for b, bucket in enumerate(self.buckets) for k, m in enumerate(bucket.members)})
         placed = sorted(m for b in self.buckets for m in b.members)
         if placed != list(range(len(self.specs))):
             raise ValueError(f"a bucket plan must place every one of {len(self.specs)} tensors exactly once")
@@ -93,10 +96,7 @@ class BucketPlan:
 
     def locate(self, tensor_index: int) -> tuple[int, int]:
         """``(bucket_index, position_in_bucket)`` of a tensor."""
-        return self._locations()[tensor_index]
-
-    def _locations(self) -> dict[int, tuple[int, int]]:
-        return {m: (b, k) for b, bucket in enumerate(self.buckets) for k, m in enumerate(bucket.members)}
+        return self._locations[tensor_index]
 
     def bucket_indices(self) -> list[list[int]]:
         """Members of each bucket, in the form torch's reducer takes and reports."""
