@@ -172,7 +172,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         new_shards, inner_state = inner.update(tuple(grad_shards), state.inner, param_shards)
         out = {}
         for b, shard in enumerate(new_shards):
-            full = jax.lax.all_gather(shard, axis_name, axis=0, tiled=True)
+            # to="invarying": every device holds the same result, so shard_map may return it as P().
+            full = jax.lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")
             out.update(unpack(layout.plan, b, full))
         return layout.unflatten(out), ZeroState(inner_state, state.plan_fingerprint)
 
