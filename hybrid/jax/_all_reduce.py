@@ -11,6 +11,11 @@ from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._specs import _Layout, axis_size, check_caps
 
 
+def _reduce(flat, axis_name):
+    # The one collective per bucket (a module function so tests can watch the buffers it sends).
+    return jax.lax.psum(flat, axis_name)
+
+
 def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                         first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
                         mean: bool = True, order: Sequence[str] | None = None
@@ -50,7 +55,7 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
         arrays = layout.spec_arrays(updates)
         out = {}
         for b in range(layout.plan.num_buckets):
-            flat = jax.lax.psum(pack(layout.plan, b, arrays), axis_name)
+            flat = _reduce(pack(layout.plan, b, arrays), axis_name)
             if mean:
                 # Scale after the sum (as DDP divides the bucket): one collective, one multiply.
                 flat = flat / n
