@@ -66,11 +66,12 @@ def test_zero_shard_map_equals_unsharded(name, stage, world_size):
     _check(history, reference(INNER[name](None), make_params(), NUM_STEPS))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [2])  # stage 1 differs only in its collective; jitted table has it
 def test_zero_shard_map_not_jitted(stage):
-    # Eager shard_map dispatches op by op (~10 s a step here): two steps, the jitted table covers 20.
-    history, _ = run_shard_map("clip_adamw", stage, 4, jit=False, num_steps=2)
-    _check(history, reference(INNER["clip_adamw"](None), make_params(), 2))
+    # Eager shard_map compiles and dispatches every op on its own (~20 s for init and one step on
+    # 2 cores): one step here, the jitted table covers 20.
+    history, _ = run_shard_map("clip_adamw", stage, 4, jit=False, num_steps=1)
+    _check(history, reference(INNER["clip_adamw"](None), make_params(), 1))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
