@@ -1,0 +1,141 @@
+"""TensorSpecs of a pytree, and the bucket layout a transform derives from them.
+
+Names are the pytree key path joined with "." (dict keys, attribute names, sequence indices), so
+``{"layers": [{"weight": w}]}`` names ``w`` ``"layers.0.weight"`` exactly as torch's
+``named_parameters`` does for the module of the same shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybrid.core import (DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan,
+                         FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat)
+
+
+def _entry_name(entry) -> str:
+    tu = jax.tree_util
+    if isinstance(entry, tu.DictKey):
+        return str(entry.key)
+    if isinstance(entry, tu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, tu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, tu.FlattenedIndexKey):
+        return str(entry.key)
+    return str(entry)
+
+
+def key_path_name(path) -> str:
+    """The "."-joined name of a pytree key path: ``(DictKey('a'), SequenceKey(0))`` -> ``"a.0"``.
+
+    >>> import jax
+    >>> [key_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0]]
+    ['a.0', 'a.1']
+    """
+    return ".".join(_entry_name(e) for e in path) or "_"
+
+
+def _leaves(tree):
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [key_path_name(p) for p, _ in pairs], [x for _, x in pairs], treedef
+
+
+def _order(names: list[str], order: Sequence[str] | None) -> list[int]:
+    """Leaf index of each spec: leaf order, or the order of names given in ``order``."""
+    if order is None:
+        return list(range(len(names)))
+    order = list(order)
+    where = {n: i for i, n in enumerate(names)}
+    missing = [n for n in order if n not in where]
+    extra = sorted(set(names) - set(order))
+    if missing or extra or len(set(order)) != len(order):
+        raise ValueError(f"order must name every leaf exactly once; unknown names {missing}, "
+                         f"leaves not named {extra}")
+    return [where[n] for n in order]
+
+
+def specs(params, *, order: Sequence[str] | None = None, device: str = "cpu") -> tuple[TensorSpec, ...]:
+    """TensorSpecs of a pytree's leaves, named by key path, in leaf order (or ``order``).
+
+    JAX flattens dicts in sorted key order, while torch registers parameters in the order a module
+    assigns them; pass ``order=[name for name, _ in module.named_parameters()]`` (or any list of
+    the tree's names) to follow a registration order, so both sides get the same plan and
+    fingerprint.
+
+    Args:
+      params: a pytree of arrays (dict, list, flax/equinox module...).
+      order: leaf names in the registration order to follow; default the pytree's leaf order.
+      device: the device string written into every spec (torch's side uses ``"cuda:0"`` etc.).
+
+    >>> import jax.numpy as jnp
+    >>> [s.name for s in specs({"layers": [{"weight": jnp.ones((2, 3))}], "bias": jnp.ones(2)})]
+    ['bias', 'layers.0.weight']
+    >>> [s.name for s in specs({"w": jnp.ones(2), "b": jnp.ones(2)}, order=["w", "b"])]
+    ['w', 'b']
+    """
+    names, leaves, _ = _leaves(params)
+    out = []
+    for i in _order(names, order):
+        x = leaves[i]
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"leaf {names[i]!r} is a {type(x).__name__}, expected an array")
+        out.append(TensorSpec(names[i], tuple(int(d) for d in x.shape), canonical_dtype(np.dtype(x.dtype)), device))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A tree's bucket plan and how to go between its leaves and the plan's flat buckets."""
+
+    plan: BucketPlan
+    leaf_of_spec: tuple[int, ...]
+    treedef: object
+
+    @classmethod
+    def of(cls, tree, *, what: str, order, bucket_cap_bytes: int, first_bucket_cap_bytes: int) -> "_Layout":
+        names, leaves, treedef = _leaves(tree)
+        if not leaves:
+            raise ValueError(f"{what}: the tree has no leaves, nothing to bucket")
+        for n, x in zip(names, leaves):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                raise TypeError(f"{what}: leaf {n!r} has dtype {x.dtype}; only floating-point "
+                                f"gradients and parameters can be bucketed")
+        perm = _order(names, order)
+        plan = plan_buckets(specs(tree, order=order), bucket_cap_bytes=bucket_cap_bytes,
+                            first_bucket_cap_bytes=first_bucket_cap_bytes)
+        return cls(plan, tuple(perm), treedef)
+
+    def spec_arrays(self, tree) -> list:
+        leaves = jax.tree_util.tree_leaves(tree)
+        return [leaves[i] for i in self.leaf_of_spec]
+
+    def unflatten(self, per_spec: dict) -> object:
+        leaves = [None] * len(self.leaf_of_spec)
+        for spec_index, leaf_index in enumerate(self.leaf_of_spec):
+            leaves[leaf_index] = per_spec[spec_index]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def shards(self, world_size: int) -> FlatShardPlan:
+        return shard_flat(self.plan, world_size)
+
+
+def check_caps(bucket_cap_bytes, first_bucket_cap_bytes) -> None:
+    for name, v in (("bucket_cap_bytes", bucket_cap_bytes), ("first_bucket_cap_bytes", first_bucket_cap_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+
+
+def axis_size(axis_name, what: str) -> int:
+    """Size of a bound mesh axis, or a ValueError that says how to bind it."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"{what}: axis name {axis_name!r} is not bound; call it inside "
+                         f"jax.shard_map(..., mesh=Mesh(devices, ({axis_name!r},))) or "
+                         f"jax.pmap(..., axis_name={axis_name!r})") from None

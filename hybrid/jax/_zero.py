@@ -1,0 +1,195 @@
+"""ZeRO stage 1 and 2 as an optax wrapper: optimizer state for this device's flat shard only."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import optax
+from jax.sharding import PartitionSpec
+
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, pack, unpack
+from hybrid.jax._specs import _Layout, axis_size, check_caps
+
+# optax transforms whose result depends on statistics across elements, leaves or shapes: run on
+# per-bucket flat shards they would silently compute something else. Matched on the qualified name
+# of their update function (``clip_by_global_norm.<locals>.update_fn``).
+NON_ELEMENTWISE = (
+    "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "scale_by_trust_ratio",
+    "scale_by_factored_rms", "scale_by_param_block_norm", "scale_by_param_block_rms",
+    "centralize", "masked", "multi_transform", "partition", "normalize_by_update_norm",
+    "scale_by_lbfgs", "scale_by_polyak", "scale_by_muon", "scale_by_sm3", "scale_by_novograd",
+    "scale_by_zoom_linesearch", "scale_by_backtracking_linesearch", "scale_by_distance_over_gradients",
+    "scale_by_lars", "per_example_global_norm_clip",
+)
+
+
+def _non_elementwise(inner) -> list[str]:
+    """Names of known non-elementwise optax transforms reachable from ``inner``'s update closure."""
+    found, seen = [], set()
+
+    def visit(obj, depth):
+        if depth > 12 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, optax.GradientTransformation):
+            visit(obj.update, depth + 1)
+        elif isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            for a in (*obj.args, *obj.keywords.values()):
+                visit(a, depth + 1)
+        elif callable(obj) and hasattr(obj, "__code__"):
+            if (obj.__module__ or "").startswith("optax"):
+                outer = obj.__qualname__.split(".<locals>")[0]
+                if outer in NON_ELEMENTWISE and outer not in found:
+                    found.append(outer)
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, depth + 1)
+
+    visit(inner, 0)
+    return found
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner"], meta_fields=["plan_fingerprint"])
+@dataclasses.dataclass(frozen=True)
+class ZeroState:
+    """State of :func:`zero`: the inner transform's state over this device's bucket shards.
+
+    ``inner`` was initialised on a tuple of 1-D arrays, one per bucket (this device's slice of
+    it). ``plan_fingerprint`` is static (part of the tree structure), so a params tree whose
+    layout changed between ``init`` and ``update`` is caught at trace time.
+    """
+
+    inner: optax.OptState
+    plan_fingerprint: str
+
+
+def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+         first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES, mean: bool = True,
+         order: Sequence[str] | None = None, check_elementwise: bool = True
+         ) -> optax.GradientTransformation:
+    """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2).
+
+    Gradients (per device, see :func:`hybrid.jax.local_grad`) are packed into the buckets of
+    ``hybrid.core.plan_buckets``; every bucket is cut into equal slices by ``shard_flat``.
+    Stage 1 all-reduces each bucket and keeps this device's slice; stage 2 reduce-scatters it
+    (``psum_scatter``). ``inner`` then updates the slices (params sliced alike for weight decay)
+    and the updates are all-gathered back into the tree. ``init`` and ``update`` must run where
+    ``axis_name`` is bound: ``jax.shard_map`` (state out_specs from :func:`zero_state_specs`),
+    ``jax.pmap``, or a multi-process mesh.
+
+    Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...) and for
+    :func:`hybrid.jax.clip_by_global_norm`. Known non-elementwise optax transforms
+    (``NON_ELEMENTWISE``: ``optax.clip_by_global_norm``, masks, trust ratios, factored
+    second moments ...) raise a ValueError unless ``check_elementwise=False``.
+
+    Args:
+      inner: any optax transform.
+      axis_name: the data-parallel axis.
+      stage: 1 (all-reduce, then slice) or 2 (reduce-scatter).
+      bucket_cap_bytes / first_bucket_cap_bytes: bucket caps, as DDP's.
+      mean: average gradients over the axis (DDP) instead of summing.
+      order: leaf names in registration order (see :func:`hybrid.jax.specs`).
+      check_elementwise: refuse known non-elementwise inner transforms.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax
+    >>> tx = zero(optax.sgd(0.1), "dp", stage=2)
+    >>> params = {"w": jnp.ones((4, 3))}
+    >>> def step(g):
+    ...     state = tx.init(params)
+    ...     return tx.update(g, state, params)[0]
+    >>> out = jax.pmap(step, axis_name="dp")({"w": jnp.ones((4, 4, 3))})
+    >>> round(float(out["w"][0, 0, 0]), 6)
+    -0.1
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    check_caps(bucket_cap_bytes, first_bucket_cap_bytes)
+    if check_elementwise:
+        bad = _non_elementwise(inner)
+        if bad:
+            raise ValueError(f"zero: inner transform uses {bad}, which depend on statistics across "
+                             f"elements or on tree structure and are not exact on flat shards; use "
+                             f"hybrid.jax.clip_by_global_norm for clipping, or pass "
+                             f"check_elementwise=False if you accept the difference")
+    caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+
+    def layout_of(tree, what):
+        return _Layout.of(tree, what=what, order=order, **caps)
+
+    def local_shards(layout, shards, tree, rank):
+        # This device's slice of every bucket of a replicated tree: no communication.
+        arrays = layout.spec_arrays(tree)
+        out = []
+        for b in range(layout.plan.num_buckets):
+            flat = pack(layout.plan, b, arrays, length=shards.padded_length(b))
+            size = shards.shard_sizes[b]
+            out.append(jax.lax.dynamic_slice_in_dim(flat, rank * size, size))
+        return tuple(out)
+
+    def init_fn(params):
+        n = axis_size(axis_name, "zero.init")
+        layout = layout_of(params, "zero.init")
+        shards = layout.shards(n)
+        param_shards = local_shards(layout, shards, params, jax.lax.axis_index(axis_name))
+        return ZeroState(inner.init(param_shards), shards.fingerprint())
+
+    def update_fn(updates, state, params=None):
+        if not isinstance(state, ZeroState):
+            raise TypeError(f"zero.update: state must be the ZeroState from zero.init, got {type(state).__name__}")
+        n = axis_size(axis_name, "zero.update")
+        layout = layout_of(updates, "zero.update")
+        shards = layout.shards(n)
+        if shards.fingerprint() != state.plan_fingerprint:
+            raise ValueError(f"zero.update: the updates' tree (names, shapes, dtypes) or the axis size "
+                             f"differs from the one zero.init saw (plan {shards.fingerprint()} vs "
+                             f"{state.plan_fingerprint}); re-run init after changing the model")
+        rank = jax.lax.axis_index(axis_name)
+        arrays = layout.spec_arrays(updates)
+        grad_shards = []
+        for b in range(layout.plan.num_buckets):
+            flat = pack(layout.plan, b, arrays, length=shards.padded_length(b))
+            if stage == 1:
+                size = shards.shard_sizes[b]
+                shard = jax.lax.dynamic_slice_in_dim(jax.lax.psum(flat, axis_name), rank * size, size)
+            else:
+                shard = jax.lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
+            grad_shards.append(shard / n if mean else shard)
+        param_shards = None if params is None else local_shards(layout_of(params, "zero.update params"),
+                                                                 shards, params, rank)
+        new_shards, inner_state = inner.update(tuple(grad_shards), state.inner, param_shards)
+        out = {}
+        for b, shard in enumerate(new_shards):
+            # to="invarying": every device holds the same result, so shard_map may return it as P().
+            full = jax.lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")
+            out.update(unpack(layout.plan, b, full))
+        return layout.unflatten(out), ZeroState(inner_state, state.plan_fingerprint)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def zero_state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_size: int):
+    """``shard_map`` partition specs for the state of ``tx`` (a :func:`zero` transform, or a chain).
+
+    Every leaf with at least one dimension is a per-bucket shard (``P(axis_name)``: concatenated
+    over devices, it is the padded bucket); scalars (step counts) are replicated (``P()``).
+
+    >>> import jax.numpy as jnp, optax
+    >>> zero_state_specs(zero(optax.sgd(0.1, momentum=0.9), "dp"), {"w": jnp.ones(3)}, "dp", axis_size=4).inner[0].trace
+    (P('dp',),)
+    """
+    shapes = jax.eval_shape(jax.vmap(tx.init, in_axes=None, axis_size=axis_size, axis_name=axis_name), params)
+    # vmap adds a leading axis of axis_size to every output; ndim beyond it decides.
+    return jax.tree_util.tree_map(lambda s: PartitionSpec(axis_name) if s.ndim > 1 else PartitionSpec(), shapes)

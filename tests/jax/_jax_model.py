@@ -1,0 +1,45 @@
+"""A tiny MLP, its data and the unsharded reference every jax test compares against."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# Small caps so the 26 parameters fall into several buckets whose lengths 3 and 4 do not divide.
+CAPS = dict(bucket_cap_bytes=40, first_bucket_cap_bytes=16)
+BATCH = 12  # divisible by every world size tested (2, 3, 4): equal local batches
+
+
+def make_params(seed=0):
+    r = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(r.normal(size=s).astype(np.float32) * 0.5)
+    return {"layers": [{"weight": f(5, 3), "bias": f(3)}, {"weight": f(3, 2), "bias": f(2)}]}
+
+
+def make_batch(step, seed=1):
+    r = np.random.default_rng(seed * 1000 + step)
+    return (jnp.asarray(r.normal(size=(BATCH, 5)).astype(np.float32)),
+            jnp.asarray(r.normal(size=(BATCH, 2)).astype(np.float32)))
+
+
+def loss(params, x, y):
+    h = jnp.tanh(x @ params["layers"][0]["weight"] + params["layers"][0]["bias"])
+    out = h @ params["layers"][1]["weight"] + params["layers"][1]["bias"]
+    return jnp.mean((out - y) ** 2)
+
+
+def reference(tx, params, num_steps):
+    """The unsharded transform on the full-batch gradient: what every sharded run must equal."""
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x, y):
+        g = jax.grad(loss)(params, x, y)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    history = []
+    for i in range(num_steps):
+        params, state = step(params, state, *make_batch(i))
+        history.append(params)
+    return history

@@ -1,0 +1,152 @@
+"""specs naming and order, the shard_map gradient trap, and errors on bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from jax.sharding import Mesh, PartitionSpec as P
+
+import hybrid.jax as hj
+from hybrid.core import TensorSpec, plan_buckets
+from _jax_model import BATCH, loss, make_batch, make_params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Linear:  # an equinox/flax-style module: leaves reached through attributes
+    weight: jax.Array
+    bias: jax.Array
+
+
+@pytest.mark.parametrize("tree,names", [
+    ({"layers": [{"weight": jnp.ones(2)}]}, ["layers.0.weight"]),
+    ({"b": jnp.ones(1), "a": (jnp.ones(1), jnp.ones(2))}, ["a.0", "a.1", "b"]),
+    ({"fc": Linear(jnp.ones((3, 2)), jnp.ones(3))}, ["fc.weight", "fc.bias"]),
+    ([jnp.ones(1), {"x": jnp.ones(1)}], ["0", "1.x"]),
+])
+def test_specs_names(tree, names):
+    assert [s.name for s in hj.specs(tree)] == names
+
+
+class TorchMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)])
+
+
+@pytest.mark.parametrize("caps", [dict(bucket_cap_bytes=40, first_bucket_cap_bytes=16), {}])
+def test_same_plan_and_fingerprint_as_torch(caps):
+    module = TorchMLP()
+    torch_specs = [TensorSpec(n, tuple(p.shape), "float32") for n, p in module.named_parameters()]
+    # The same parameters as a JAX tree (torch's Linear weight is (out, in)).
+    tree = {"layers": [{n: jnp.asarray(p.detach().numpy()) for n, p in lin.named_parameters()}
+                       for lin in module.layers]}
+    order = [n for n, _ in module.named_parameters()]
+    want = plan_buckets(torch_specs, **caps)
+    assert hj.specs(tree, order=order) == tuple(torch_specs)
+    assert plan_buckets(hj.specs(tree, order=order), **caps).fingerprint() == want.fingerprint()
+    # Without order the dict's sorted keys put bias before weight: a different registration order.
+    assert [s.name for s in hj.specs(tree)][:2] == ["layers.0.bias", "layers.0.weight"]
+
+
+@pytest.mark.parametrize("order,match", [(["w"], "leaves not named"), (["w", "b", "c"], "unknown names"),
+                                         (["w", "w"], "exactly once")])
+def test_specs_bad_order(order, match):
+    with pytest.raises(ValueError, match=match):
+        hj.specs({"w": jnp.ones(1), "b": jnp.ones(1)}, order=order)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_data_parallel_gradient_equals_full_batch(world_size):
+    mesh = Mesh(np.array(jax.devices()[:world_size]), ("dp",))
+    tx = hj.bucketed_all_reduce("dp", bucket_cap_bytes=40, first_bucket_cap_bytes=16)
+    params, (x, y) = make_params(), make_batch(0)
+
+    def dp_grads(params, x, y):
+        trap = jax.grad(loss)(params, x, y)  # already summed over "dp" by JAX's transposition
+        local = hj.local_grad(loss, "dp")(params, x, y)
+        return tx.update(local, tx.init(params))[0], tx.update(trap, tx.init(params))[0]
+
+    got, trapped = jax.jit(jax.shard_map(dp_grads, mesh=mesh, in_specs=(P(), P("dp"), P("dp")),
+                                         out_specs=(P(), P()), check_vma=True))(params, x, y)
+    want = jax.grad(loss)(params, x, y)
+    for g, t, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(trapped),
+                       jax.tree_util.tree_leaves(want)):
+        # the mean of per-device mean-loss gradients vs one full-batch mean: a few ulps apart
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1.3e-6, atol=1e-6)
+        # the trap: a DDP-style mean on top of jax.grad's implicit psum is world_size x too large
+        np.testing.assert_allclose(np.asarray(t), world_size * np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def _transforms():
+    return {
+        "bucketed_all_reduce": hj.bucketed_all_reduce("dp"),
+        "zero1": hj.zero(optax.adam(1e-3), "dp", stage=1),
+        "zero2": hj.zero(optax.adam(1e-3), "dp", stage=2),
+        "clip": hj.clip_by_global_norm(1.0, "dp"),
+    }
+
+
+@pytest.mark.parametrize("name", ["bucketed_all_reduce", "zero1", "zero2", "clip"])
+def test_unbound_axis(name):
+    tx, params = _transforms()[name], make_params()
+    with pytest.raises(ValueError, match="axis name 'dp' is not bound"):
+        if name.startswith("zero"):
+            tx.init(params)
+        else:
+            tx.update(params, tx.init(params))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("change", ["drop_leaf", "reshape", "rename"])
+def test_structure_changes_between_init_and_update(stage, change):
+    tx = hj.zero(optax.adam(1e-3), "dp", stage=stage)
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    other = {"drop_leaf": {"w": params["w"]}, "reshape": {"w": jnp.ones((3, 4)), "b": jnp.ones(3)},
+             "rename": {"v": params["w"], "b": params["b"]}}[change]
+
+    def run(init_tree, update_tree):
+        state = tx.init(init_tree)
+        return tx.update(update_tree, state, update_tree)
+
+    with pytest.raises(ValueError, match="differs from the one zero.init saw"):
+        jax.vmap(run, in_axes=None, axis_size=4, axis_name="dp")(params, other)
+
+
+@pytest.mark.parametrize("name", ["bucketed_all_reduce", "zero1", "zero2"])
+def test_integer_leaves(name):
+    tx = _transforms()[name]
+    tree = {"w": jnp.ones(3), "step": jnp.ones(2, jnp.int32)}
+    with pytest.raises(TypeError, match="leaf 'step' has dtype int32"):
+        jax.vmap(lambda t: tx.update(t, tx.init(t), t), in_axes=None, axis_size=4, axis_name="dp")(tree)
+
+
+@pytest.mark.parametrize("inner,culprit", [
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), "clip_by_global_norm"),
+    (optax.lamb(1e-3), "scale_by_trust_ratio"),
+    (optax.adafactor(1e-3), "scale_by_factored_rms"),
+    (optax.adamw(1e-3, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)), "masked"),
+])
+def test_non_elementwise_inner_refused(inner, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        hj.zero(inner, "dp")
+    hj.zero(inner, "dp", check_elementwise=False)  # the explicit opt-out is accepted
+
+
+@pytest.mark.parametrize("inner", [optax.adamw(1e-3), optax.lion(1e-3), optax.sgd(0.1, momentum=0.9),
+                                   optax.chain(hj.clip_by_global_norm(1.0, "dp"), optax.adam(1e-3))])
+def test_elementwise_inner_accepted(inner):
+    hj.zero(inner, "dp")
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(stage=3), "stage must be 1 or 2"), (dict(bucket_cap_bytes=-1), "bucket_cap_bytes"),
+    (dict(first_bucket_cap_bytes=1.5), "first_bucket_cap_bytes"),
+])
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        hj.zero(optax.sgd(0.1), "dp", **kwargs)

@@ -1,0 +1,39 @@
+"""zero stage 2 through jax.distributed: 2 processes on CPU with gloo collectives."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("local_devices", [2, 1])
+def test_two_processes_zero_stage2(local_devices):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)])
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_jax_mp_worker.py"), str(port), str(i),
+                               str(local_devices), "5"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+        assert f"{2 * local_devices} devices, {local_devices} local, 5 steps equal the reference" in out, out

@@ -1,0 +1,130 @@
+"""zero(inner) against the unsharded inner transform on the full-batch gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import hybrid.jax as hj
+from hybrid.core import plan_buckets, shard_flat
+from _jax_model import CAPS, loss, make_batch, make_params, reference
+
+NUM_STEPS = 20
+# float32, same framework: the data-parallel gradient is a mean of per-device means where the
+# reference takes one mean over the batch, so sums differ in order by a few ulps per step; over
+# 20 steps the worst element measured is ~4e-8 beyond rtol 1e-6, hence atol 2e-7 (~3 ulps at 1).
+RTOL, ATOL = 1e-6, 2e-7
+
+INNER = {
+    "sgd_momentum": lambda ax: optax.sgd(0.05, momentum=0.9),
+    "adam": lambda ax: optax.adam(1e-2),
+    "adamw": lambda ax: optax.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda ax: optax.lion(1e-3, weight_decay=0.1),
+    # a small max_norm so clipping triggers on every step
+    "clip_adamw": lambda ax: optax.chain(hj.clip_by_global_norm(0.1, ax) if ax else optax.clip_by_global_norm(0.1),
+                                         optax.adamw(1e-2, weight_decay=0.1)),
+}
+
+
+def _check(history, ref):
+    for i, (got, want) in enumerate(zip(history, ref)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL,
+                                       err_msg=f"step {i} {jax.tree_util.keystr(path)}")
+
+
+def run_shard_map(name, stage, world_size, *, jit=True, num_steps=NUM_STEPS):
+    mesh = Mesh(np.array(jax.devices()[:world_size]), ("dp",))
+    tx = hj.zero(INNER[name]("dp"), "dp", stage=stage, **CAPS)
+    params = make_params()
+    state_specs = hj.zero_state_specs(tx, params, "dp", axis_size=world_size)
+
+    def step(params, state, x, y):
+        g = hj.local_grad(loss, "dp")(params, x, y)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs)
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), state_specs, P("dp"), P("dp")),
+                         out_specs=(P(), state_specs))
+    if jit:
+        init, step = jax.jit(init), jax.jit(step)
+    state, history = init(params), []
+    for i in range(num_steps):
+        params, state = step(params, state, *make_batch(i))
+        history.append(params)
+    return history, state
+
+
+@pytest.mark.parametrize("world_size", [4, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", list(INNER))
+def test_zero_shard_map_equals_unsharded(name, stage, world_size):
+    history, _ = run_shard_map(name, stage, world_size)
+    _check(history, reference(INNER[name](None), make_params(), NUM_STEPS))
+
+
+@pytest.mark.parametrize("stage", [2])  # stage 1 differs only in its collective; jitted table has it
+def test_zero_shard_map_not_jitted(stage):
+    # Eager shard_map compiles and dispatches every op on its own (~20 s for init and one step on
+    # 2 cores): one step here, the jitted table covers 20.
+    history, _ = run_shard_map("clip_adamw", stage, 4, jit=False, num_steps=1)
+    _check(history, reference(INNER["clip_adamw"](None), make_params(), 1))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", list(INNER))
+def test_zero_pmap_equals_unsharded(name, stage):
+    n = 4
+    tx = hj.zero(INNER[name]("dp"), "dp", stage=stage, **CAPS)
+    params = make_params()
+    rep = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), params)
+
+    def step(params, state, x, y):
+        # Under pmap parameters are per device already: plain jax.grad is the local gradient.
+        g = jax.grad(loss)(params, x, y)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    state = jax.pmap(tx.init, axis_name="dp")(rep)
+    step = jax.pmap(step, axis_name="dp")
+    history = []
+    for i in range(NUM_STEPS):
+        x, y = make_batch(i)
+        rep, state = step(rep, state, x.reshape(n, -1, 5), y.reshape(n, -1, 2))
+        history.append(jax.tree_util.tree_map(lambda a: a[0], rep))
+        for a in jax.tree_util.tree_leaves(rep):  # every device holds the same parameters
+            np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(np.asarray(a[0]), a.shape))
+    _check(history, reference(INNER[name](None), make_params(), NUM_STEPS))
+
+
+def _bytes(tree):
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+@pytest.mark.parametrize("world_size", [4, 3])
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion"])
+def test_state_bytes_per_device(name, world_size):
+    _, state = run_shard_map(name, 2, world_size, num_steps=1)
+    unsharded = INNER[name](None).init(make_params())
+    shards = shard_flat(plan_buckets(hj.specs(make_params()), **CAPS), world_size)
+    num_buckets = len(shards.shard_sizes)
+    padding = shards.shard_numel(0) * world_size - sum(s.numel for s in hj.specs(make_params()))
+    assert 0 < padding, "the table must exercise padding"
+    for device in mesh_devices(world_size):
+        # The actual per-device buffers of the sharded state.
+        local = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state)
+                    for s in x.addressable_shards if s.device == device)
+        full_leaves = [x for x in jax.tree_util.tree_leaves(unsharded) if x.ndim > 0]
+        scalars = sum(x.nbytes for x in jax.tree_util.tree_leaves(unsharded) if x.ndim == 0)
+        arrays = sum(x.nbytes for x in full_leaves)
+        copies = arrays // sum(x.nbytes for x in jax.tree_util.tree_leaves(make_params()))  # mu, nu: 2
+        # unsharded / world_size, plus under one element per state copy per bucket of padding
+        assert arrays / world_size <= local - scalars < arrays / world_size + copies * num_buckets * 4
+        assert local - scalars == copies * shards.shard_numel(0) * 4
+
+
+def mesh_devices(n):
+    return jax.devices()[:n]
