@@ -1,0 +1,55 @@
+"""The CUDA library compiles with nvcc for sm_80 and sm_90 and exports the C ABI and FFI handlers."""
+
+import ctypes
+import shutil
+import struct
+import subprocess
+
+import pytest
+
+from hybrid import kernels
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile the CUDA kernels")
+
+
+@pytest.fixture(scope="module")
+def cuda_lib_path(tmp_path_factory):
+    return kernels.build(tmp_path_factory.mktemp("cuda"))
+
+
+def fatbin_cubin_archs(data: bytes) -> set[int]:
+    """SM versions of the cubins in a library's embedded fatbinaries (cuobjdump is not installed
+    here, so the fatbin headers are read directly: magic 0xBA55ED50, then entries whose kind 2 is
+    an ELF cubin and whose arch sits 28 bytes into the entry header)."""
+    magic, archs = struct.pack("<I", 0xBA55ED50), set()
+    i = data.find(magic)
+    while i != -1:
+        _, header_size, fat_size = struct.unpack_from("<HHQ", data, i + 4)
+        p, end = i + header_size, i + header_size + fat_size
+        while p < end:
+            kind, _, entry_header, payload = struct.unpack_from("<HHIQ", data, p)
+            if kind == 2:
+                archs.add(struct.unpack_from("<I", data, p + 28)[0])
+            p += entry_header + payload
+        i = data.find(magic, end)
+    return archs
+
+
+@needs_nvcc
+def test_builds_for_sm80_and_sm90(cuda_lib_path):
+    assert fatbin_cubin_archs(cuda_lib_path.read_bytes()) == {80, 90}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("symbol", ["hybrid_batched_copy", "HybridGather", "HybridScatter"])
+def test_exports(cuda_lib_path, symbol):
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(cuda_lib_path)], capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert symbol in symbols
+
+
+@needs_nvcc
+def test_loads_without_a_gpu(cuda_lib_path):
+    # the CUDA runtime is linked statically: loading needs no GPU, only calling does
+    lib = ctypes.CDLL(str(cuda_lib_path))
+    assert lib.hybrid_batched_copy and lib.HybridGather
