@@ -171,6 +171,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
                           "`broadcast_buffers` is deprecated and its value is ignored when "
                           "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=2)
+        elif broadcast_buffers is not None:
+            warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+                          "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` "
+                          "still syncs buffers at init.", FutureWarning, stacklevel=2)
         if forward_sync_buffers is not None:
             self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
         else:
@@ -208,7 +212,6 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         self._comm_hook: tuple[object, Callable] | None = None
         self._has_rebuilt = False
-        self._iteration = 0
         self._state: ReducerState | None = None
         self._futures: list = []
         self._used_work = None
