@@ -98,8 +98,8 @@ def mark_ready(state: ReducerState, tensor: int) -> tuple[ReducerState, tuple[in
     nxt = state.next_bucket
     while nxt < len(pending) and pending[nxt] == 0:
         nxt += 1
-    new = dataclasses.replace(state, pending=pending, next_bucket=nxt,
-                              ready_order=state.ready_order + (tensor,))
+    # Direct construction: this runs once per gradient per step (dataclasses.replace is ~3x slower).
+    new = ReducerState(state.bucket_of, pending, nxt, state.ready_order + (tensor,), state.unused)
     return new, tuple(range(state.next_bucket, nxt))
 
 
