@@ -76,7 +76,10 @@ class Mixed(nn.Module):
 
 
 MODELS = {"mlp": MLP, "conv_bn": ConvBN, "unused": Unused, "mixed": Mixed,
-          "wide": lambda: MLP(width=64, depth=5)}
+          "wide": lambda: MLP(width=64, depth=5),
+          # 300 x 300 weights: above DistributedDataParallel._FUSED_SCALE_NUMEL, so gradients
+          # are scaled while copied; biases and the small layers take the per-bucket path.
+          "large": lambda: MLP(width=300, depth=3)}
 
 def _bf16_hook(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
@@ -103,6 +106,9 @@ CASES = {
     "mixed_dtypes": ("mixed", {}, {}),
     "many_buckets": ("wide", {"bucket_cap_mb": 0.004}, {}),
     "many_buckets_view": ("wide", {"bucket_cap_mb": 0.004, "gradient_as_bucket_view": True}, {}),
+    "large_tensors": ("large", {}, {}),
+    "large_tensors_view": ("large", {"gradient_as_bucket_view": True}, {}),
+    "large_tensors_many_buckets": ("large", {"bucket_cap_mb": 0.1}, {}),
     "bucket_cap_mb_list": ("wide", {"bucket_cap_mb_list": [0.004, 0.01]}, {}),
     "membership": ("wide", {"bucket_cap_mb": 0.004}, {"hook": "record"}),
     "membership_default_caps": ("wide", {}, {"hook": "record"}),
