@@ -1,0 +1,114 @@
+"""``python -m hybrid bench ddp``: hybrid's DDP vs torch's C++ reducer, and bucketing vs per-tensor.
+
+Two gloo processes on this machine. For each model (a ~20M-parameter MLP, and a model with ~200
+small parameters) one step (forward, backward, gradients reduced) is timed for three variants,
+interleaved A, B, C, A, B, C, ... so drift hits all of them alike:
+
+- ``torch``:      torch.nn.parallel.DistributedDataParallel (the C++ reducer);
+- ``hybrid``:     hybrid.torch.DistributedDataParallel (buckets from hybrid.core, Python hooks);
+- ``per_tensor``: the plain module, then one blocking ``all_reduce`` per gradient (no buckets).
+
+Medians over ``--reps`` repetitions (after warm-up, which includes hybrid's bucket rebuild) are
+printed with the ratios hybrid/torch and per_tensor/hybrid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def _big_mlp(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _many_small(n_layers: int, width: int) -> nn.Module:
+    layers = []
+    for _ in range(n_layers):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _models(quick: bool):
+    if quick:
+        return {"mlp_2M": (lambda: _big_mlp(512, 8), 512, 8), "small_x200": (lambda: _many_small(100, 16), 16, 8)}
+    # 5 x (2048*2048 + 2048) = 21.0M parameters; 100 x (32*32 + 32) = 200 parameters, 106k elements.
+    return {"mlp_21M": (lambda: _big_mlp(2048, 5), 2048, 32), "small_x200": (lambda: _many_small(100, 32), 32, 32)}
+
+
+def _worker(rank, world, port, outdir, quick, reps):
+    from hybrid.torch import DistributedDataParallel as HybridDDP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    rows = []
+    for name, (build, width, batch) in _models(quick).items():
+        torch.manual_seed(0)
+        x = torch.randn(batch, width)
+        variants = {}
+        variants["torch"] = torch.nn.parallel.DistributedDataParallel(build())
+        variants["hybrid"] = HybridDDP(build())
+        plain = build()
+
+        def per_tensor_step(m=plain):
+            m(x).sum().backward()
+            for p in m.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+
+        steps = {k: (lambda m=m: m(x).sum().backward()) for k, m in variants.items()}
+        steps["per_tensor"] = per_tensor_step
+        mods = dict(variants, per_tensor=plain)
+        times = {k: [] for k in steps}
+        for it in range(reps + 3):  # 3 warm-up steps: the first builds and rebuilds buckets
+            for k, step in steps.items():
+                for p in mods[k].parameters():
+                    p.grad = None
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                dt = time.perf_counter() - t0
+                if it >= 3:
+                    times[k].append(dt)
+        n_params = sum(p.numel() for p in plain.parameters())
+        n_tensors = len(list(plain.parameters()))
+        rows.append((name, n_params, n_tensors, {k: statistics.median(v) for k, v in times.items()},
+                     variants["hybrid"].bucket_plan.num_buckets))
+    if rank == 0:
+        torch.save(rows, os.path.join(outdir, "rows.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid bench ddp", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, 3 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15)")
+    args = parser.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 15)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outdir = tempfile.mkdtemp(prefix="hybrid_bench_ddp_")
+    mp.spawn(_worker, args=(2, port, outdir, args.quick, reps), nprocs=2, join=True)
+    rows = torch.load(os.path.join(outdir, "rows.pt"))
+    print(f"world size 2, gloo, medians of {reps} interleaved steps (forward+backward+reduction), rank 0")
+    print(f"{'model':<12} {'params':>10} {'tensors':>7} {'buckets':>7} {'torch ms':>9} {'hybrid ms':>9} "
+          f"{'per-tensor ms':>13} {'hybrid/torch':>12} {'per-tensor/hybrid':>17}")
+    for name, n, k, t, nb in rows:
+        print(f"{name:<12} {n:>10} {k:>7} {nb:>7} {t['torch'] * 1e3:>9.2f} {t['hybrid'] * 1e3:>9.2f} "
+              f"{t['per_tensor'] * 1e3:>13.2f} {t['hybrid'] / t['torch']:>12.3f} {t['per_tensor'] / t['hybrid']:>17.2f}")
+    return 0

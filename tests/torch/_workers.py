@@ -1,0 +1,277 @@
+"""Worker processes for the multi-process DDP tests: torch's DDP (oracle) and ours, same process.
+
+Every case runs torch's DDP and hybrid's DDP one after the other in the SAME worker processes
+(same seeds, different data per rank), so process start-up is paid once per world size. Results
+(parameters, bucket membership, errors) are saved per rank for the test process to compare.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from hybrid.torch import DistributedDataParallel as HybridDDP
+
+
+class MLP(nn.Module):
+    def __init__(self, width=32, depth=3):
+        super().__init__()
+        dims = [8] + [width] * (depth - 1) + [4]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(2, 6, 3), nn.BatchNorm2d(6), nn.ReLU(),
+                                 nn.Conv2d(6, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 4))
+
+    def forward(self, x):
+        return self.net(x.view(-1, 2, 8, 8)[:, :, :, :])
+
+
+class Unused(nn.Module):
+    """``never`` is unused on every rank, ``sometimes`` only on ranks passing use_extra=False."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.never = nn.Linear(16, 16)
+        self.sometimes = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x, use_extra=False):
+        h = torch.relu(self.a(x))
+        if use_extra:
+            h = h + self.sometimes(h)
+        return self.b(h)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16).double()
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)).double()
+        return self.c(torch.relu(self.b(h)).float())
+
+
+MODELS = {"mlp": MLP, "conv_bn": ConvBN, "unused": Unused, "mixed": Mixed,
+          "wide": lambda: MLP(width=64, depth=5),
+          # 300 x 300 weights: above DistributedDataParallel._FUSED_SCALE_NUMEL, so gradients
+          # are scaled while copied; biases and the small layers take the per-bucket path.
+          "large": lambda: MLP(width=300, depth=3)}
+
+def _bf16_hook(state, bucket):
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+HOOKS = {
+    "allreduce_hook": lambda: (None, default_hooks.allreduce_hook),
+    "fp16_compress_hook": lambda: (None, default_hooks.fp16_compress_hook),
+    # torch refuses a hook *named* bf16_compress_hook without CUDA/NCCL; the same function under
+    # another name runs on gloo, for torch's DDP and ours alike.
+    "bf16_compress_hook": lambda: (None, _bf16_hook),
+    "powerSGD_hook": lambda: (psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                                 min_compression_rate=0.5), psgd.powerSGD_hook),
+    "batched_powerSGD_hook": lambda: (psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
+                                      psgd.batched_powerSGD_hook),
+}
+
+# name -> (model, ddp kwargs, options)
+CASES = {
+    "mlp": ("mlp", {}, {}),
+    "conv_bn": ("conv_bn", {}, {}),
+    "grad_view": ("mlp", {"gradient_as_bucket_view": True}, {}),
+    "conv_bn_grad_view": ("conv_bn", {"gradient_as_bucket_view": True}, {}),
+    "mixed_dtypes": ("mixed", {}, {}),
+    "many_buckets": ("wide", {"bucket_cap_mb": 0.004}, {}),
+    "many_buckets_view": ("wide", {"bucket_cap_mb": 0.004, "gradient_as_bucket_view": True}, {}),
+    "large_tensors": ("large", {}, {}),
+    "large_tensors_view": ("large", {"gradient_as_bucket_view": True}, {}),
+    "large_tensors_many_buckets": ("large", {"bucket_cap_mb": 0.1}, {}),
+    "bucket_cap_mb_list": ("wide", {"bucket_cap_mb_list": [0.004, 0.01]}, {}),
+    "membership": ("wide", {"bucket_cap_mb": 0.004}, {"hook": "record"}),
+    "membership_default_caps": ("wide", {}, {"hook": "record"}),
+    "find_unused": ("unused", {"find_unused_parameters": True}, {}),
+    "find_unused_view": ("unused", {"find_unused_parameters": True, "gradient_as_bucket_view": True}, {}),
+    "static_graph": ("mlp", {"static_graph": True}, {}),
+    "no_sync": ("mlp", {}, {"accumulate": 2}),
+    "no_sync_view": ("mlp", {"gradient_as_bucket_view": True}, {"accumulate": 2}),
+    "no_buffer_sync": ("conv_bn", {"broadcast_buffers": False}, {}),
+    **{f"hook_{h}": ("wide", {"bucket_cap_mb": 0.01}, {"hook": h}) for h in HOOKS if "power" not in h},
+    # PowerSGD chains collectives in Future callbacks that run on gloo's threads; with several
+    # buckets their issue order can differ between ranks (for torch's reducer too), so one bucket.
+    **{f"hook_{h}": ("wide", {}, {"hook": h}) for h in HOOKS if "power" in h},
+    "join": ("mlp", {}, {"uneven": True}),
+    "join_no_divide": ("mlp", {}, {"uneven": True, "divide_by_initial_world_size": False}),
+    "join_conv_bn": ("conv_bn", {}, {"uneven": True}),
+}
+
+STEPS = 4
+
+
+def _data(rank, step, model_name):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    n_in = 128 if model_name == "conv_bn" else 8
+    return torch.randn(6, n_in, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _record_hook(log):
+    def hook(state, bucket):
+        log.append((bucket.index(), [id(p) for p in bucket.parameters()]))
+        return default_hooks.allreduce_hook(state, bucket)
+    return hook
+
+
+def _train(ddp_cls, model, kwargs, opts, rank, world, model_name):
+    ddp = ddp_cls(model, **kwargs)
+    log = []
+    hook = opts.get("hook")
+    if hook == "record":
+        ddp.register_comm_hook(None, _record_hook(log))
+    elif hook is not None:
+        ddp.register_comm_hook(*HOOKS[hook]())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    steps = STEPS + rank if opts.get("uneven") else STEPS
+    fwd_kwargs = {"use_extra": rank == 0} if model_name == "unused" else {}
+    ctx = (ddp.join(divide_by_initial_world_size=opts.get("divide_by_initial_world_size", True))
+           if opts.get("uneven") else _nullcontext())
+    with ctx:
+        for step in range(steps):
+            accumulate = opts.get("accumulate", 1)
+            for micro in range(accumulate):
+                x, y = _data(rank, 10 * step + micro, model_name)
+                if micro < accumulate - 1:
+                    with ddp.no_sync():
+                        ((ddp(x, **fwd_kwargs) - y) ** 2).mean().backward()
+                else:
+                    ((ddp(x, **fwd_kwargs) - y) ** 2).mean().backward()
+            grads_none = [p.grad is None for p in ddp.module.parameters()]
+            opt.step()
+            opt.zero_grad()
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    membership = {}
+    for b, ids in log:  # the last iteration's buckets (after the rebuild)
+        membership[b] = [index[i] for i in ids]
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "buffers": [b.detach().clone() for b in model.buffers()],
+            "membership": [membership[b] for b in sorted(membership)],
+            "grads_none": grads_none,
+            "plan": ddp.bucket_plan.bucket_indices() if hasattr(ddp, "bucket_plan") else None}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _init(rank, world, port, timeout_s=30):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+
+
+def parity_worker(rank, world, port, outdir, case_names):
+    _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
+    results = {}
+    for name in case_names:
+        model_name, kwargs, opts = CASES[name]
+        out = {}
+        for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+            torch.manual_seed(0)
+            model = MODELS[model_name]()
+            # Different initial parameters per rank: the initial broadcast must fix them.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(rank * 0.01)
+            try:
+                out[label] = _train(cls, model, dict(kwargs), opts, rank, world, model_name)
+            except Exception as e:  # noqa: BLE001 - compared with the oracle's outcome by the test
+                out[label] = {"error": (type(e).__name__, str(e)[:300]), "traceback": traceback.format_exc()}
+            dist.barrier()
+        results[name] = out
+    torch.save(results, os.path.join(outdir, f"parity_rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _expect(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return (type(e).__name__, str(e))
+    return None
+
+
+def errors_worker(rank, world, port, outdir):
+    _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
+    res = {}
+
+    # Different models across ranks: parameter count, then a shape.
+    res["count"] = _expect(lambda: HybridDDP(MLP(depth=3 + (rank == 1))))
+    res["shape"] = _expect(lambda: HybridDDP(MLP(width=32 + (rank == 1))))
+
+    # A parameter with no gradient, without find_unused_parameters.
+    def unused_without_flag():
+        torch.manual_seed(0)
+        ddp = HybridDDP(Unused())
+        for step in range(2):
+            x, y = _data(rank, step, "unused")
+            ddp(x).sum().backward()
+    res["unused"] = _expect(unused_without_flag)
+    dist.barrier()
+
+    ddp = HybridDDP(MLP())
+    res["not_callable"] = _expect(lambda: ddp.register_comm_hook(None, 3))
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    res["twice"] = _expect(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
+
+    def no_future():
+        d = HybridDDP(MLP())
+        d.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+        d(_data(rank, 0, "mlp")[0]).sum().backward()
+    res["no_future"] = _expect(no_future)
+    res["unsupported"] = _expect(lambda: HybridDDP(MLP(), mixed_precision=object()))
+    res["unsupported_skip"] = _expect(lambda: HybridDDP(MLP(), skip_all_reduce_unused_params=True))
+    res["state_dict_keys"] = sorted(HybridDDP(MLP()).state_dict().keys())
+    res["torch_state_dict_keys"] = sorted(TorchDDP(MLP()).state_dict().keys())
+    torch.save(res, os.path.join(outdir, f"errors_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def dead_peer_worker(rank, world, port, outdir):
+    _init(rank, world, port, timeout_s=4)
+    ddp = HybridDDP(MLP())
+    x, y = _data(rank, 0, "mlp")
+    ddp(x).sum().backward()
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # a peer dies between iterations
+    start = time.monotonic()
+    err = _expect(lambda: [ddp(x).sum().backward() for _ in range(3)])
+    torch.save({"error": err, "elapsed": time.monotonic() - start},
+               os.path.join(outdir, f"dead_rank{rank}.pt"))
+    os._exit(0)
