@@ -124,9 +124,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
       overlap_with_ddp: not implemented yet (needs hybrid's DDP); ``True`` raises.
       **defaults: forwarded to ``optimizer_class``.
 
-    >>> import os, torch, torch.distributed as dist
-    >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    >>> dist.init_process_group("gloo", rank=0, world_size=1)
+    >>> import torch, torch.distributed as dist
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     >>> model(torch.ones(1, 4)).sum().backward()

@@ -152,12 +152,12 @@ def parity(rank, world_size, *, optim, maximize=False, two_groups=False, bucket_
         check_honest_state(trio.opts["hybrid"], rank)
         if flip and step in (1, 2):
             assert torch.equal(trio.models["hybrid"][2].weight, frozen), "a frozen weight moved"
-    if bucket_view:
-        # The buckets really are the parameters' storage.
-        opt = trio.opts["hybrid"]
-        params = [p for g in opt.param_groups for p in g["params"]]
-        ptrs = {t.untyped_storage().data_ptr() for r in opt._buckets for t in r}
-        assert all(p.untyped_storage().data_ptr() in ptrs for p in params if p.requires_grad)
+        if bucket_view:
+            # Trainable parameters live in the broadcast buckets, frozen ones (as in torch) not.
+            opt = trio.opts["hybrid"]
+            ptrs = {t.untyped_storage().data_ptr() for r in opt._buckets for t in r}
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                assert (p.untyped_storage().data_ptr() in ptrs) == p.requires_grad, f"step {step}: bucket views"
 
 
 def ownership(rank, world_size):
@@ -274,20 +274,6 @@ def state_dict_exchange(rank, world_size, *, optim, bucket_view, maximize=False)
         assert_params(model, trio.models["hybrid"], f"one step after {name}", exact=False)
 
 
-def errors_match_torch(rank, world_size):
-    """Errors that need a process group: same type and text as torch's."""
-    del rank, world_size
-    p = torch.nn.Parameter(torch.zeros(3))
-    for bad in ([p, 1.0], 3.0, p, []):
-        got = []
-        for cls in (ZeroRedundancyOptimizer, TorchZero):
-            try:
-                cls(bad, torch.optim.SGD, lr=0.1)
-            except (TypeError, ValueError) as e:
-                got.append((type(e), str(e)))
-        assert len(got) == 2 and got[0] == got[1], got
-
-
 class _GradSetter(Joinable):
     """After joining, a rank sets the ground-truth gradients before the ZeRO hook steps."""
 
@@ -398,7 +384,6 @@ def _table() -> dict:
                                                           maximize=True)
     cases["parity-sgd_momentum-closure"] = functools.partial(parity, optim="sgd_momentum", closure=True)
     cases["ownership"] = ownership
-    cases["errors"] = errors_match_torch
     return cases
 
 
