@@ -274,6 +274,30 @@ def state_dict_exchange(rank, world_size, *, optim, bucket_view, maximize=False)
         assert_params(model, trio.models["hybrid"], f"one step after {name}", exact=False)
 
 
+def subgroup(rank, world_size, *, bucket_view):
+    """A process group that is not the world: group ranks differ from global ranks."""
+    members = list(range(1, world_size)) if world_size > 1 else [0]
+    group = dist.new_group(members)  # every rank must call new_group
+    if rank not in members:
+        return
+    base = make_model()
+    models = {k: copy.deepcopy(base) for k in ("hybrid", "torch")}
+    ddps = {k: DDP(m, process_group=group) for k, m in models.items()}
+    opts = {"hybrid": ZeroRedundancyOptimizer(models["hybrid"].parameters(), torch.optim.Adam, process_group=group,
+                                              parameters_as_bucket_view=bucket_view, lr=0.01),
+            "torch": TorchZero(models["torch"].parameters(), torch.optim.Adam, process_group=group,
+                               parameters_as_bucket_view=bucket_view, lr=0.01)}
+    assert opts["hybrid"].rank == members.index(rank) and opts["hybrid"].world_size == len(members)
+    for step in range(3):
+        for k in models:
+            train_step(ddps[k], opts[k], batch(rank, step))
+        assert_params(models["hybrid"], models["torch"], f"step {step} on a subgroup", exact=True)
+    for k in opts:
+        opts[k].consolidate_state_dict(to=len(members) - 1)
+    if rank == members[-1]:
+        assert_state_dicts(opts["hybrid"].state_dict(), opts["torch"].state_dict(), "subgroup state dict", exact=True)
+
+
 class _GradSetter(Joinable):
     """After joining, a rank sets the ground-truth gradients before the ZeRO hook steps."""
 
@@ -377,6 +401,7 @@ def _table() -> dict:
         for optim in OPTIMIZERS:
             cases[f"state_dict-{optim}-bv{int(bucket_view)}"] = functools.partial(
                 state_dict_exchange, optim=optim, bucket_view=bucket_view)
+        cases[f"subgroup-bv{int(bucket_view)}"] = functools.partial(subgroup, bucket_view=bucket_view)
         cases[f"join_vs_torch-bv{int(bucket_view)}"] = functools.partial(join_uneven_vs_torch, bucket_view=bucket_view)
         cases[f"join_ground_truth-bv{int(bucket_view)}"] = functools.partial(
             join_uneven_ground_truth, bucket_view=bucket_view)
