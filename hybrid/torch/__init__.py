@@ -1,7 +1,8 @@
-"""torch frontend: drop-in DistributedDataParallel executing hybrid.core bucket plans."""
+"""torch frontend: drop-ins for torch's data-parallel classes, executing hybrid.core plans."""
 
 from hybrid.torch._ddp import DistributedDataParallel
 from hybrid.torch._ddp import GradBucket
 from hybrid.torch._ddp import specs
+from hybrid.torch._zero import ZeroRedundancyOptimizer
 
-__all__ = ["DistributedDataParallel", "GradBucket", "specs"]
+__all__ = ["DistributedDataParallel", "GradBucket", "ZeroRedundancyOptimizer", "specs"]

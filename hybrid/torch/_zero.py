@@ -1,0 +1,361 @@
+"""ZeroRedundancyOptimizer: a drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+
+A thin shell. Who owns which parameter is decided once by :func:`hybrid.core.partition_params`
+(torch's sorted-greedy partition), and the flat broadcast buckets of
+``parameters_as_bucket_view=True`` are laid out by :func:`hybrid.core.plan_buckets`; this module
+only executes those plans with ``torch.distributed`` and keeps torch's optimizer protocol
+(``step``, ``zero_grad``, ``state_dict``, schedulers, ``Join``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from hybrid.core import ParamPartition, TensorSpec, canonical_dtype, partition_params, plan_buckets
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+# One flat bucket per (dtype, device) per rank: the per-rank broadcast is one message per bucket.
+_ONE_BUCKET_PER_KEY = (sys.maxsize,)
+
+
+def _spec(index: int, param: torch.Tensor) -> TensorSpec:
+    # Names only need to be unique; the global index keeps them stable across ranks.
+    return TensorSpec(f"param{index}", tuple(param.shape), canonical_dtype(param.dtype), str(param.device))
+
+
+def _copy_to_device(value: Any, device: torch.device) -> Any:
+    """Copies of every tensor in nested lists, tuples and dicts, moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        # A copy, never an alias: a loaded state dict must not change when we step.
+        return value.to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        values = [_copy_to_device(v, device) for v in value]
+        return values if isinstance(value, list) else tuple(values)
+    if isinstance(value, dict):
+        return {k: _copy_to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _check_params(params: Any) -> tuple[list, list[torch.Tensor]]:
+    """``(params as a list, every parameter)``; raises torch's errors for bad input."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("`params` argument should be an iterable of "
+                        f"Tensors, but got {torch.typename(params)}")
+    try:
+        items = list(params)
+    except TypeError as e:
+        raise TypeError("`params` argument should be an iterable of Tensors"
+                        f" or dicts, but got {torch.typename(params)}") from e
+    if not items:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if all(isinstance(p, torch.Tensor) for p in items):
+        return items, items
+    if not all(isinstance(p, dict) for p in items):
+        raise TypeError("`params` argument should be an iterable of Tensors or dicts")
+    all_params = []
+    for group in items:
+        if "params" not in group:
+            raise ValueError("Each parameter group passed-in via `params` must "
+                             "have a 'params' key mapping to the parameters in the group")
+        group_params = group["params"]
+        all_params.extend([group_params] if isinstance(group_params, torch.Tensor) else group_params)
+    return items, all_params
+
+
+def _check_same_dense_type(params: list[torch.Tensor]) -> None:
+    # torch.typename covers dtype and layout ("torch.FloatTensor", "torch.sparse.FloatTensor").
+    typename = torch.typename(params[0])
+    if params[0].is_sparse:
+        raise ValueError("ZeroRedundancyOptimizer only supports using "
+                         f"the same dense type for all parameters but got {typename}")
+    for p in params[1:]:
+        other = torch.typename(p)
+        if other != typename:
+            raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type for "
+                             f"all parameters but got both {typename} and {other}")
+
+
+def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
+    """Copy hyperparameters (everything but ``params``) group by group, as torch does."""
+    assert len(src) == len(dst), "mismatch between number of source and destination parameter groups"
+    for s, d in zip(src, dst):
+        for key, value in s.items():
+            if key != "params":
+                d[key] = value
+
+
+class _ZeroJoinHook(JoinHook):
+    """Shadows a joined rank's ``step()``: it still updates and broadcasts its own shard."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer"):
+        super().__init__()
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Shard any ``torch.optim`` optimizer's state over the ranks of a process group (ZeRO-1).
+
+    Same constructor, methods and state-dict format as
+    ``torch.distributed.optim.ZeroRedundancyOptimizer``: each rank's local optimizer holds state
+    only for the parameters :func:`hybrid.core.partition_params` gives it; after the local step
+    every rank broadcasts its updated parameters (one flat bucket per rank and (dtype, device)
+    when ``parameters_as_bucket_view=True``).
+
+    Args:
+      params: tensors or parameter-group dicts, all of one dense type.
+      optimizer_class: a ``torch.optim.Optimizer`` subclass, built on this rank's share.
+      process_group: the group to shard over (default: the world).
+      parameters_as_bucket_view: make ``param.data`` views into flat per-rank buckets, so that
+        each rank's share is broadcast in one message.
+      overlap_with_ddp: not implemented yet (needs hybrid's DDP); ``True`` raises.
+      **defaults: forwarded to ``optimizer_class``.
+
+    >>> import torch, torch.distributed as dist
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    >>> model(torch.ones(1, 4)).sum().backward()
+    >>> opt.step()
+    >>> opt.consolidate_state_dict(to=0)
+    >>> sorted(opt.state_dict())
+    ['param_groups', 'state']
+    >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, params: Iterable, optimizer_class: type[Optimizer], process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 **defaults: Any):
+        params, all_params = _check_params(params)
+        _check_same_dense_type(all_params)
+        if overlap_with_ddp:
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not implemented yet in hybrid: "
+                "it needs hybrid.torch.DistributedDataParallel's ZeRO hook")
+        from torch.distributed.optim.utils import functional_optim_map
+        if optimizer_class in functional_optim_map.values():
+            raise ValueError(f"Passing in a functional optimizer {optimizer_class} "
+                             "when `overlap_with_ddp=False`")
+
+        # Optimizer.__init__ calls our add_param_group; until we are built it must only append.
+        self._initialized = False
+        self._partition_cache: ParamPartition | None = None
+        Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size: int = dist.get_world_size(self.process_group)
+        self.rank: int = dist.get_rank(self.process_group)
+        self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
+        self._default_device = all_params[0].device
+        self._overlap_with_ddp = False
+        self._optim_defaults = defaults
+        self._optim_constructor = optimizer_class
+        # Passing groups (not a flat list) lets a rank own nothing without tripping torch's
+        # empty-parameter-list check, exactly as torch's ZeroRedundancyOptimizer does.
+        self.optim: Optimizer = optimizer_class(self._rank_param_groups(self.rank), **defaults)
+        _sync_param_groups(self.optim.param_groups, self.param_groups)
+
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self._buckets: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
+        self._is_trainable_mask = self._trainable_mask()
+        self._build_param_buckets()
+        self._all_state_dicts: list[dict[str, Any]] = []
+        self._initialized = True
+
+    # -- ownership (decided by the core, never here) -------------------------------------------
+
+    @property
+    def _params(self) -> list[torch.Tensor]:
+        """Every parameter in global state-dict order (group by group)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @property
+    def partition(self) -> ParamPartition:
+        """The core's ownership plan over the current parameter groups (indices are global)."""
+        if self._partition_cache is None:
+            params = self._params
+            groups, start = [], 0
+            for g in self.param_groups:
+                groups.append(range(start, start + len(g["params"])))
+                start += len(g["params"])
+            specs = [_spec(i, p) for i, p in enumerate(params)]
+            self._partition_cache = partition_params(specs, dist.get_world_size(self.process_group),
+                                                     groups=groups)
+        return self._partition_cache
+
+    def _rank_param_groups(self, rank: int) -> list[dict[str, Any]]:
+        """Rank ``rank``'s share as parameter groups: every group, each with only owned params."""
+        params = self._params
+        return [dict(group, params=[params[i] for i in owned])
+                for group, owned in zip(self.param_groups, self.partition.per_rank[rank])]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group on every rank (call it on all ranks, in the same order)."""
+        super().add_param_group(param_group)
+        if not self._initialized:
+            return
+        before = self._partition_cache
+        self._partition_cache = None
+        after = self.partition
+        # Loads carry over group to group, so earlier groups keep their owners and the local
+        # optimizer's existing state stays valid.
+        assert before is None or after.per_rank[self.rank][:-1] == before.per_rank[self.rank]
+        self.optim.add_param_group(self._rank_param_groups(self.rank)[-1])
+        self._build_param_buckets()
+
+    # -- step -----------------------------------------------------------------------------------
+
+    def _trainable_mask(self) -> list[bool]:
+        return [p.requires_grad for p in self._params]
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Step the local optimizer on this rank's share, then broadcast every rank's share.
+
+        Extra keyword arguments go to the local optimizer's ``step``.
+        """
+        Join.notify_join_context(self)
+        mask = self._trainable_mask()
+        if mask != self._is_trainable_mask:
+            logger.warning("ZeroRedundancyOptimizer detected that the trainable parameters "
+                           "changed; rebuilding the parameter buckets if enabled")
+            self._is_trainable_mask = mask
+            self._build_param_buckets()
+        # Schedulers and users edit self.param_groups; the local optimizer must see it.
+        _sync_param_groups(self.param_groups, self.optim.param_groups)
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        _sync_param_groups(self.optim.param_groups, self.param_groups)
+        self._sync_params()
+        return loss
+
+    def _sync_params(self) -> None:
+        """Every rank broadcasts its share: per bucket with bucket views, else per parameter."""
+        params = self._params
+        handles = []
+        for rank in range(self.world_size):
+            src = dist.get_global_rank(self.process_group, rank)
+            if self.parameters_as_bucket_view:
+                tensors = self._buckets[rank]
+            else:
+                tensors = [params[i].data for i in self.partition.owned(rank)]
+            handles.extend(dist.broadcast(t, src=src, group=self.process_group, async_op=True)
+                           for t in tensors)
+        for h in handles:
+            h.wait()
+
+    def _build_param_buckets(self) -> None:
+        """Point every trainable parameter's ``.data`` into its owner's flat bucket.
+
+        The layout is a core BucketPlan over the owner's trainable parameters (in ownership
+        order), one bucket per (dtype, device). Frozen parameters get their own storage back and
+        are not broadcast, as in torch.
+        """
+        if not self.parameters_as_bucket_view:
+            return
+        params = self._params
+        for rank in range(self.world_size):
+            owned = self.partition.owned(rank)
+            for i in owned:
+                if not params[i].requires_grad:
+                    # Detach from an old bucket so that rebuilding cannot overwrite it.
+                    params[i].data = params[i].data.detach().clone()
+            trainable = [i for i in owned if params[i].requires_grad]
+            self._buckets[rank] = []
+            if not trainable:
+                continue  # every rank knows this share is empty, so nobody broadcasts it
+            plan = plan_buckets([_spec(i, params[i]) for i in trainable], size_limits=_ONE_BUCKET_PER_KEY)
+            for bucket in plan.buckets:
+                first = params[trainable[bucket.members[0]]]
+                flat = torch.empty(bucket.length, dtype=first.dtype, device=first.device)
+                for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels):
+                    p = params[trainable[member]]
+                    view = flat[offset:offset + numel]
+                    view.copy_(p.data.flatten())
+                    p.data = view.view_as(p.data)
+                self._buckets[rank].append(flat)
+
+    # -- state dicts ----------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collect every rank's local optimizer state on rank ``to`` (call it on all ranks)."""
+        _sync_param_groups(self.param_groups, self.optim.param_groups)
+        cpu = torch.device("cpu")
+        self._all_state_dicts = []
+        for rank in range(self.world_size):
+            if rank == to:
+                if self.rank == to:
+                    self._all_state_dicts.append(_copy_to_device(self.optim.state_dict(), cpu))
+                continue
+            # Broadcast (not gather) as torch does: NCCL has no object gather that is safe here.
+            box = [_copy_to_device(self.optim.state_dict(), cpu) if rank == self.rank else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.process_group, rank),
+                                       group=self.process_group, device=self._default_device)
+            if self.rank == to:
+                self._all_state_dicts.append(box[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global state (torch's format, global indices) last consolidated on this rank."""
+        if not self._all_state_dicts:
+            raise RuntimeError(
+                "Optimizer state has not been consolidated on this rank. "
+                f"Please call `consolidate_state_dict(to={self.rank})` on "
+                "all ranks beforehand if you meant to save the global state.")
+        state_dict = super().state_dict()
+        for rank, local in enumerate(self._all_state_dicts):
+            owned_per_group = self.partition.per_rank[rank]
+            assert len(local["param_groups"]) == len(owned_per_group)
+            for local_group, owned in zip(local["param_groups"], owned_per_group):
+                assert len(local_group["params"]) == len(owned)
+                for local_index, global_index in zip(local_group["params"], owned):
+                    if local_index in local["state"]:
+                        state_dict["state"][global_index] = local["state"][local_index]
+        state_dict["state"] = dict(sorted(state_dict["state"].items()))
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a global state dict (from hybrid, torch's ZeRO or a plain optimizer).
+
+        This rank keeps only the state of the parameters it owns; ``state_dict`` is not modified.
+        """
+        params = self._params
+        owned = set(self.partition.owned(self.rank))
+        for index, value in state_dict["state"].items():
+            if index in owned and value is not None:
+                param = params[index]
+                local = _copy_to_device(value, param.device)
+                # torch keeps zero-dimensional state (Adam's "step") on the CPU.
+                self.optim.state[param] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v
+                                           for k, v in local.items()}
+        # The base class checks the groups and takes their hyperparameters; the state itself
+        # lives in the local optimizer only, so it gets placeholders (torch stores None too).
+        super().load_state_dict({**state_dict, "state": {i: None for i in state_dict["state"]}})
+        _sync_param_groups(state_dict["param_groups"], self.param_groups)
+        _sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    # -- Join -----------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that lets a rank that ran out of inputs keep stepping with the others."""
+        del kwargs  # no options
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group

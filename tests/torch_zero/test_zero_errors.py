@@ -1,0 +1,45 @@
+"""Input errors: same exception type and text as torch's ZeroRedundancyOptimizer.
+
+Both classes check their input before touching a process group, so no world is needed.
+"""
+
+import pytest
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+from hybrid.torch import ZeroRedundancyOptimizer
+
+
+def _p(*shape, dtype=torch.float32):
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype))
+
+
+BAD_INPUTS = {
+    "empty list": lambda: [],
+    "empty generator": lambda: iter(()),
+    "a tensor": lambda: _p(3),
+    "a float": lambda: 3.0,
+    "non-tensor in list": lambda: [_p(3), 1.0],
+    "dict without params": lambda: [{"lr": 0.1}],
+    "tensors and dicts": lambda: [_p(3), {"params": [_p(2)]}],
+    "sparse": lambda: [torch.zeros(3, 3).to_sparse().requires_grad_()],
+    "mixed dense dtypes": lambda: [_p(3), _p(2, dtype=torch.float64)],
+    "mixed dtypes across groups": lambda: [{"params": [_p(3)]}, {"params": [_p(2, dtype=torch.float16)]}],
+}
+
+
+def _error(cls, params):
+    with pytest.raises((TypeError, ValueError)) as info:
+        cls(params, torch.optim.SGD, lr=0.1)
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_input_errors_match_torch(case):
+    ours, theirs = _error(ZeroRedundancyOptimizer, BAD_INPUTS[case]()), _error(TorchZero, BAD_INPUTS[case]())
+    assert ours == theirs
+
+
+def test_overlap_with_ddp_not_implemented():
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp"):
+        ZeroRedundancyOptimizer([_p(3)], torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
