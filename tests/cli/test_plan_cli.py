@@ -1,6 +1,8 @@
 """``python -m hybrid plan`` on every source, in a subprocess as a user runs it."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -10,8 +12,14 @@ from hybrid._examples import EXAMPLES
 from hybrid.core import partition_params, plan_buckets
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "hybrid", "plan", *args], capture_output=True, text=True, cwd=cwd)
+    # PYTHONPATH: the checkout's hybrid, installed or not, also when run from another directory.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "hybrid", "plan", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env)
 
 
 @pytest.mark.parametrize("model", sorted(EXAMPLES))
