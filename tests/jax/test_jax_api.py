@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import hybrid.jax as hj
 from hybrid.core import TensorSpec, plan_buckets
-from _jax_model import BATCH, loss, make_batch, make_params
+from _jax_model import loss, make_batch, make_params
 
 
 @jax.tree_util.register_dataclass
