@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid.core import (DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan,
-                         FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat)
+from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat
 
 
 def _entry_name(entry) -> str:

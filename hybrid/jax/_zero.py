@@ -167,8 +167,13 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
             else:
                 shard = jax.lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
             grad_shards.append(shard / n if mean else shard)
-        param_shards = None if params is None else local_shards(layout_of(params, "zero.update params"),
-                                                                 shards, params, rank)
+        param_shards = None
+        if params is not None:
+            param_layout = layout_of(params, "zero.update params")
+            if param_layout.plan != layout.plan:
+                raise ValueError("zero.update: params and updates must be trees of the same names, "
+                                 "shapes and dtypes")
+            param_shards = local_shards(param_layout, shards, params, rank)
         new_shards, inner_state = inner.update(tuple(grad_shards), state.inner, param_shards)
         out = {}
         for b, shard in enumerate(new_shards):

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import hybrid.jax as hj
 from hybrid.core import TensorSpec, plan_buckets
-from _jax_model import BATCH, loss, make_batch, make_params
+from _jax_model import loss, make_batch, make_params
 
 
 @jax.tree_util.register_dataclass
@@ -150,3 +150,14 @@ def test_elementwise_inner_accepted(inner):
 def test_bad_arguments(kwargs, error):
     with pytest.raises(ValueError, match=error):
         hj.zero(optax.sgd(0.1), "dp", **kwargs)
+
+
+def test_params_tree_differs_from_updates():
+    tx = hj.zero(optax.adamw(1e-3), "dp")
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+
+    def run(p):
+        return tx.update(p, tx.init(p), {"w": p["w"], "b": jnp.ones(2)})
+
+    with pytest.raises(ValueError, match="params and updates must be trees"):
+        jax.vmap(run, in_axes=None, axis_size=4, axis_name="dp")(params)
