@@ -1,6 +1,5 @@
 """torch side: gather/scatter (reference path on CPU) against core.pack, and the custom ops' opcheck."""
 
-import numpy as np
 import pytest
 import torch
 
