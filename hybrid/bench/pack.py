@@ -36,7 +36,7 @@ def small_shapes(num: int = 2000, seed: int = 0) -> list[tuple[int, ...]]:
     return [(int(n),) for n in rng.integers(1, 2048, size=num)]
 
 
-def _median_time(fn, sync) -> float:
+def _time_once(fn, sync) -> float:
     sync()
     t0 = time.perf_counter()
     fn()
@@ -48,8 +48,8 @@ def _interleaved(a, b, reps: int, sync) -> tuple[float, float]:
     a(), b()  # warm up: allocations, caches, lazy registration
     ta, tb = [], []
     for _ in range(reps):
-        ta.append(_median_time(a, sync))
-        tb.append(_median_time(b, sync))
+        ta.append(_time_once(a, sync))
+        tb.append(_time_once(b, sync))
     return statistics.median(ta), statistics.median(tb)
 
 

@@ -53,3 +53,30 @@ def test_loads_without_a_gpu(cuda_lib_path):
     # the CUDA runtime is linked statically: loading needs no GPU, only calling does
     lib = ctypes.CDLL(str(cuda_lib_path))
     assert lib.hybrid_batched_copy and lib.HybridGather
+
+
+@needs_nvcc
+@pytest.mark.parametrize("scale,out_dtype", [(None, None), (0.5, "bfloat16")])
+def test_jax_ffi_targets_register_and_lower_for_cuda(cuda_lib_path, monkeypatch, scale, out_dtype):
+    """Without a GPU the FFI call cannot run, but registration and cross-platform lowering can:
+    the custom calls carry the attributes the handlers bind (offsets, scale, has_scale)."""
+    import jax
+    import jax.numpy as jnp
+    from hybrid.core import TensorSpec, plan_buckets
+    monkeypatch.setenv("HYBRID_KERNELS_LIB", str(cuda_lib_path))
+    kernels._library.cache_clear()
+    monkeypatch.setattr(kernels, "_jax_backend", lambda backend: "cuda")
+    try:
+        plan = plan_buckets([TensorSpec("a", (3,), "float32"), TensorSpec("b", (2, 2), "float32")], alignment=4)
+        gather = jax.jit(lambda xs: kernels.jax_gather(plan, 0, xs, scale=scale, out_dtype=out_dtype))
+        text = gather.trace([jnp.ones(3), jnp.ones((2, 2))]).lower(lowering_platforms=("cuda",)).as_text()
+        call = next(line for line in text.splitlines() if "custom_call @hybrid_gather" in line)
+        assert f"has_scale = {int(scale is not None)} : i32" in call
+        assert "offsets = dense<[0, 4]> : tensor<2xi64>" in call
+        assert call.endswith(f"-> tensor<8x{'bf16' if out_dtype else 'f32'}>")
+        scatter = jax.jit(lambda f: kernels.jax_scatter(plan, 0, f, scale=scale))
+        text = scatter.trace(jnp.ones(8)).lower(lowering_platforms=("cuda",)).as_text()
+        call = next(line for line in text.splitlines() if "custom_call @hybrid_scatter" in line)
+        assert call.endswith("-> (tensor<3xf32>, tensor<2x2xf32>)")
+    finally:
+        kernels._library.cache_clear()
