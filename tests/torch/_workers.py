@@ -115,6 +115,9 @@ CASES = {
     "find_unused": ("unused", {"find_unused_parameters": True}, {}),
     "find_unused_view": ("unused", {"find_unused_parameters": True, "gradient_as_bucket_view": True}, {}),
     "static_graph": ("mlp", {"static_graph": True}, {}),
+    "static_graph_unused": ("unused", {"static_graph": True}, {}),
+    "static_graph_view": ("wide", {"static_graph": True, "gradient_as_bucket_view": True,
+                                   "bucket_cap_mb": 0.004}, {}),
     "no_sync": ("mlp", {}, {"accumulate": 2}),
     "no_sync_view": ("mlp", {"gradient_as_bucket_view": True}, {"accumulate": 2}),
     "no_buffer_sync": ("conv_bn", {"broadcast_buffers": False}, {}),
@@ -241,6 +244,15 @@ def errors_worker(rank, world, port, outdir):
             x, y = _data(rank, step, "unused")
             ddp(x).sum().backward()
     res["unused"] = _expect(unused_without_flag)
+    dist.barrier()
+
+    def static_graph_changed():
+        torch.manual_seed(0)
+        ddp = HybridDDP(Unused(), static_graph=True)
+        x, _ = _data(rank, 0, "unused")
+        ddp(x).sum().backward()
+        ddp(x, use_extra=True).sum().backward()  # ``sometimes`` was unused in iteration 1
+    res["static_changed"] = _expect(static_graph_changed)
     dist.barrier()
 
     ddp = HybridDDP(MLP())
