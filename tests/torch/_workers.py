@@ -275,7 +275,9 @@ def errors_worker(rank, world, port, outdir):
 
 
 def dead_peer_worker(rank, world, port, outdir):
-    _init(rank, world, port, timeout_s=4)
+    # A long process-group timeout: the survivor must raise because gloo sees the closed
+    # connection, not because a short timeout ran out.
+    _init(rank, world, port, timeout_s=60)
     ddp = HybridDDP(MLP())
     x, y = _data(rank, 0, "mlp")
     ddp(x).sum().backward()
@@ -286,4 +288,22 @@ def dead_peer_worker(rank, world, port, outdir):
     err = _expect(lambda: [ddp(x).sum().backward() for _ in range(3)])
     torch.save({"error": err, "elapsed": time.monotonic() - start},
                os.path.join(outdir, f"dead_rank{rank}.pt"))
+    os._exit(0)
+
+
+def stalled_peer_worker(rank, world, port, outdir):
+    # The peer is alive but stops taking part: the survivor's wait ends at the process group's
+    # timeout (2 s here), the one the user set.
+    _init(rank, world, port, timeout_s=2)
+    ddp = HybridDDP(MLP())
+    x, _ = _data(rank, 0, "mlp")
+    ddp(x).sum().backward()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(6)
+        os._exit(0)
+    start = time.monotonic()
+    err = _expect(lambda: ddp(x).sum().backward())
+    torch.save({"error": err, "elapsed": time.monotonic() - start},
+               os.path.join(outdir, f"stalled_rank{rank}.pt"))
     os._exit(0)

@@ -188,3 +188,11 @@ def test_reducer_state_rejects_double_mark_and_tracks_unused():
         mark_ready(state, 1)
     with pytest.raises(ValueError, match="outside"):
         mark_ready(state, 7)
+
+
+def test_stalled_peer_respects_process_group_timeout():
+    outdir = tempfile.mkdtemp(prefix="hybrid_ddp_stall_")
+    mp.spawn(_workers.stalled_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
+    res = torch.load(os.path.join(outdir, "stalled_rank0.pt"))
+    assert res["error"] is not None, res
+    assert 1.5 < res["elapsed"] < 5.0, res  # the 2 s timeout, not the peer's 6 s sleep
