@@ -151,6 +151,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
+        for mname, m in module.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                raise NotImplementedError(f"hybrid.torch.DistributedDataParallel does not support sparse "
+                                          f"gradients ({mname or type(m).__name__} has sparse=True)")
         device_types = {p.device.type for _, p in named}
         if len(device_types) != 1:
             raise ValueError("DistributedDataParallel's input module must be on the same type of devices, "

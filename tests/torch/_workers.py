@@ -267,6 +267,7 @@ def errors_worker(rank, world, port, outdir):
     res["no_future"] = _expect(no_future)
     res["unsupported"] = _expect(lambda: HybridDDP(MLP(), mixed_precision=object()))
     res["unsupported_skip"] = _expect(lambda: HybridDDP(MLP(), skip_all_reduce_unused_params=True))
+    res["unsupported_sparse"] = _expect(lambda: HybridDDP(nn.Sequential(nn.Embedding(10, 4, sparse=True))))
     res["state_dict_keys"] = sorted(HybridDDP(MLP()).state_dict().keys())
     res["torch_state_dict_keys"] = sorted(TorchDDP(MLP()).state_dict().keys())
     torch.save(res, os.path.join(outdir, f"errors_rank{rank}.pt"))

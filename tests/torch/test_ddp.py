@@ -137,6 +137,7 @@ def errors():
     ("no_future", "RuntimeError", "must return a torch.futures.Future"),
     ("unsupported", "NotImplementedError", "mixed_precision"),
     ("unsupported_skip", "NotImplementedError", "skip_all_reduce_unused_params"),
+    ("unsupported_sparse", "NotImplementedError", "sparse gradients"),
 ])
 def test_errors(errors, key, exc, pattern):
     import re
