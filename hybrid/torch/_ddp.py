@@ -151,6 +151,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
+        for mname, m in module.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                raise NotImplementedError(f"hybrid.torch.DistributedDataParallel does not support sparse "
+                                          f"gradients ({mname or type(m).__name__} has sparse=True)")
         device_types = {p.device.type for _, p in named}
         if len(device_types) != 1:
             raise ValueError("DistributedDataParallel's input module must be on the same type of devices, "
@@ -213,6 +217,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook: tuple[object, Callable] | None = None
         self._has_rebuilt = False
         self._state: ReducerState | None = None
+        self._static_unused: tuple[int, ...] | None = None  # static_graph: found in iteration 1
+        self._static_globally_unused: set[int] | None = None
         self._futures: list = []
         self._used_work = None
         self._set_plan(plan_buckets(specs(module), size_limits=self._initial_limits))
@@ -319,6 +325,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.find_unused_parameters and not self.static_graph:
                 reach = _reachable_params(out)
                 self._pending_unused = tuple(i for i, p in enumerate(self._params) if id(p) not in reach)
+            elif self.static_graph and self._static_unused is not None:
+                self._pending_unused = self._static_unused  # found in the first iteration
             self._expect_hooks = True
         return out
 
@@ -376,8 +384,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         state = self._state
         if not state.ready_order:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self._static_unused is not None and index in self._static_unused:
+            raise RuntimeError(
+                "Your training graph has changed in this iteration, e.g., one parameter is unused in "
+                "first iteration, but then got used in the second iteration. this is not compatible "
+                f"with static_graph set to True. Parameter: {self._names[index]}")
         self._copy_grad(index, param.grad)
         state, launch = mark_ready(state, index)
+        if self.static_graph and self._static_unused is None:
+            # static_graph's first iteration: only record; _finalize reduces everything at the end
+            # (torch's delay_all_reduce), once it knows which parameters the graph leaves unused.
+            object.__setattr__(self, "_state", state)
+            return
         if self._pending_unused and not state.unused:
             for i in self._pending_unused:
                 self._copy_grad(i, self._params[i].grad)
@@ -449,6 +467,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _finalize(self) -> None:
         state = self._state
+        if self.static_graph and self._static_unused is None:
+            state = self._delay_all_reduce(state)
         if not state.finished:
             return  # reported by the next forward, as torch does
         for b, fut in enumerate(self._futures):
@@ -458,10 +478,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             if isinstance(value, torch.Tensor) and value.data_ptr() != self._bufs[b].data_ptr():
                 self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
         globally_unused = set()
-        if state.unused:
+        if state.unused and self._static_globally_unused is not None:
+            globally_unused = self._static_globally_unused
+        elif state.unused:
             if self._used_work is not None:
                 self._used_work.wait()
             globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
+            if self.static_graph:
+                self._static_globally_unused = globally_unused
         for i, (p, view) in enumerate(zip(self._params, self._views)):
             if i in globally_unused:
                 continue
@@ -473,9 +497,28 @@ class DistributedDataParallel(nn.Module, Joinable):
             else:
                 p.grad.copy_(view)
         if self._last_order is None:
-            self._last_order = state.ready_order
+            self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
+                if self.static_graph else state.ready_order
         self._futures = []
         self._expect_hooks = False
+
+    def _delay_all_reduce(self, state: ReducerState) -> ReducerState:
+        """static_graph, first iteration: unused = no hook fired; then every bucket, in order."""
+        unused = state.missing()
+        for i in unused:
+            self._copy_grad(i, self._params[i].grad)
+        state, _ = mark_unused(state, unused)
+        self._static_unused = unused
+        self._pending_unused = unused
+        object.__setattr__(self, "_state", state)
+        for b in range(len(self._bufs)):
+            self._launch(b)
+        if unused:
+            used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
+            used[list(unused)] = 0
+            self._local_used = used
+            self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
+        return state
 
     # ---- torch API --------------------------------------------------------------------------
 

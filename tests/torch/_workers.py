@@ -115,6 +115,9 @@ CASES = {
     "find_unused": ("unused", {"find_unused_parameters": True}, {}),
     "find_unused_view": ("unused", {"find_unused_parameters": True, "gradient_as_bucket_view": True}, {}),
     "static_graph": ("mlp", {"static_graph": True}, {}),
+    "static_graph_unused": ("unused", {"static_graph": True}, {}),
+    "static_graph_view": ("wide", {"static_graph": True, "gradient_as_bucket_view": True,
+                                   "bucket_cap_mb": 0.004}, {}),
     "no_sync": ("mlp", {}, {"accumulate": 2}),
     "no_sync_view": ("mlp", {"gradient_as_bucket_view": True}, {"accumulate": 2}),
     "no_buffer_sync": ("conv_bn", {"broadcast_buffers": False}, {}),
@@ -243,6 +246,15 @@ def errors_worker(rank, world, port, outdir):
     res["unused"] = _expect(unused_without_flag)
     dist.barrier()
 
+    def static_graph_changed():
+        torch.manual_seed(0)
+        ddp = HybridDDP(Unused(), static_graph=True)
+        x, _ = _data(rank, 0, "unused")
+        ddp(x).sum().backward()
+        ddp(x, use_extra=True).sum().backward()  # ``sometimes`` was unused in iteration 1
+    res["static_changed"] = _expect(static_graph_changed)
+    dist.barrier()
+
     ddp = HybridDDP(MLP())
     res["not_callable"] = _expect(lambda: ddp.register_comm_hook(None, 3))
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -255,6 +267,7 @@ def errors_worker(rank, world, port, outdir):
     res["no_future"] = _expect(no_future)
     res["unsupported"] = _expect(lambda: HybridDDP(MLP(), mixed_precision=object()))
     res["unsupported_skip"] = _expect(lambda: HybridDDP(MLP(), skip_all_reduce_unused_params=True))
+    res["unsupported_sparse"] = _expect(lambda: HybridDDP(nn.Sequential(nn.Embedding(10, 4, sparse=True))))
     res["state_dict_keys"] = sorted(HybridDDP(MLP()).state_dict().keys())
     res["torch_state_dict_keys"] = sorted(TorchDDP(MLP()).state_dict().keys())
     torch.save(res, os.path.join(outdir, f"errors_rank{rank}.pt"))
@@ -263,7 +276,9 @@ def errors_worker(rank, world, port, outdir):
 
 
 def dead_peer_worker(rank, world, port, outdir):
-    _init(rank, world, port, timeout_s=4)
+    # A long process-group timeout: the survivor must raise because gloo sees the closed
+    # connection, not because a short timeout ran out.
+    _init(rank, world, port, timeout_s=60)
     ddp = HybridDDP(MLP())
     x, y = _data(rank, 0, "mlp")
     ddp(x).sum().backward()
@@ -274,4 +289,22 @@ def dead_peer_worker(rank, world, port, outdir):
     err = _expect(lambda: [ddp(x).sum().backward() for _ in range(3)])
     torch.save({"error": err, "elapsed": time.monotonic() - start},
                os.path.join(outdir, f"dead_rank{rank}.pt"))
+    os._exit(0)
+
+
+def stalled_peer_worker(rank, world, port, outdir):
+    # The peer is alive but stops taking part: the survivor's wait ends at the process group's
+    # timeout (2 s here), the one the user set.
+    _init(rank, world, port, timeout_s=2)
+    ddp = HybridDDP(MLP())
+    x, _ = _data(rank, 0, "mlp")
+    ddp(x).sum().backward()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(6)
+        os._exit(0)
+    start = time.monotonic()
+    err = _expect(lambda: ddp(x).sum().backward())
+    torch.save({"error": err, "elapsed": time.monotonic() - start},
+               os.path.join(outdir, f"stalled_rank{rank}.pt"))
     os._exit(0)

@@ -36,14 +36,19 @@ def _spawn(fn, world, *args):
     return outdir
 
 
+class _Parity(dict):
+    """All parity cases of one world size, run in one spawn when a test first asks for them
+    (so each spawn counts against one test's timeout, not all three against the first)."""
+
+    def __missing__(self, world):
+        outdir = _spawn(_workers.parity_worker, world, list(_workers.CASES))
+        self[world] = [torch.load(os.path.join(outdir, f"parity_rank{r}.pt")) for r in range(world)]
+        return self[world]
+
+
 @pytest.fixture(scope="module")
 def parity():
-    """All parity cases, every world size: one spawn per world size."""
-    results = {}
-    for world in WORLD_SIZES:
-        outdir = _spawn(_workers.parity_worker, world, list(_workers.CASES))
-        results[world] = [torch.load(os.path.join(outdir, f"parity_rank{r}.pt")) for r in range(world)]
-    return results
+    return _Parity()
 
 
 def _check_no_error(out):
@@ -126,11 +131,13 @@ def errors():
     ("count", "RuntimeError", "DDP expects same model across all ranks"),
     ("shape", "RuntimeError", "params\\[0\\] \\('layers.0.weight'\\)"),
     ("unused", "RuntimeError", "Expected to have finished reduction in the prior iteration"),
+    ("static_changed", "RuntimeError", "Your training graph has changed in this iteration"),
     ("not_callable", "TypeError", "Communication hook must be callable"),
     ("twice", "RuntimeError", "can only be called once"),
     ("no_future", "RuntimeError", "must return a torch.futures.Future"),
     ("unsupported", "NotImplementedError", "mixed_precision"),
     ("unsupported_skip", "NotImplementedError", "skip_all_reduce_unused_params"),
+    ("unsupported_sparse", "NotImplementedError", "sparse gradients"),
 ])
 def test_errors(errors, key, exc, pattern):
     import re
@@ -182,3 +189,11 @@ def test_reducer_state_rejects_double_mark_and_tracks_unused():
         mark_ready(state, 1)
     with pytest.raises(ValueError, match="outside"):
         mark_ready(state, 7)
+
+
+def test_stalled_peer_respects_process_group_timeout():
+    outdir = tempfile.mkdtemp(prefix="hybrid_ddp_stall_")
+    mp.spawn(_workers.stalled_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
+    res = torch.load(os.path.join(outdir, "stalled_rank0.pt"))
+    assert res["error"] is not None, res
+    assert 1.5 < res["elapsed"] < 5.0, res  # the 2 s timeout, not the peer's 6 s sleep
