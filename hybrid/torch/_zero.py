@@ -63,14 +63,22 @@ def _check_params(params: Any) -> tuple[list, list[torch.Tensor]]:
         return items, items
     if not all(isinstance(p, dict) for p in items):
         raise TypeError("`params` argument should be an iterable of Tensors or dicts")
-    all_params = []
+    all_params, groups = [], []
     for group in items:
         if "params" not in group:
             raise ValueError("Each parameter group passed-in via `params` must "
                              "have a 'params' key mapping to the parameters in the group")
         group_params = group["params"]
-        all_params.extend([group_params] if isinstance(group_params, torch.Tensor) else group_params)
-    return items, all_params
+        if isinstance(group_params, torch.Tensor):
+            group_params = [group_params]
+        elif not isinstance(group_params, set):  # a set is left for torch's TypeError
+            # Materialise generators (``model.parameters()``): read twice, they would be empty
+            # the second time (torch's own ZeroRedundancyOptimizer drops such a group's params).
+            group_params = list(group_params)
+            group = {**group, "params": group_params}
+        all_params.extend(group_params)
+        groups.append(group)
+    return groups, all_params
 
 
 def _check_same_dense_type(params: list[torch.Tensor]) -> None:
