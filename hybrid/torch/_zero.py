@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 _ONE_BUCKET_PER_KEY = (sys.maxsize,)
 
 
-def _spec(index: int, param: torch.Tensor) -> TensorSpec:
+def _spec(index: int, param: torch.Tensor, *, with_device: bool = True) -> TensorSpec:
     # Names only need to be unique; the global index keeps them stable across ranks.
-    return TensorSpec(f"param{index}", tuple(param.shape), canonical_dtype(param.dtype), str(param.device))
+    device = str(param.device) if with_device else "cpu"
+    return TensorSpec(f"param{index}", tuple(param.shape), canonical_dtype(param.dtype), device)
 
 
 def _copy_to_device(value: Any, device: torch.device) -> Any:
@@ -174,6 +175,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._optim_constructor = optimizer_class
         # Passing groups (not a flat list) lets a rank own nothing without tripping torch's
         # empty-parameter-list check, exactly as torch's ZeroRedundancyOptimizer does.
+        self._check_ranks_agree()
         self.optim: Optimizer = optimizer_class(self._rank_param_groups(self.rank), **defaults)
         _sync_param_groups(self.optim.param_groups, self.param_groups)
 
@@ -200,10 +202,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for g in self.param_groups:
                 groups.append(range(start, start + len(g["params"])))
                 start += len(g["params"])
-            specs = [_spec(i, p) for i, p in enumerate(params)]
+            # Ownership does not depend on devices; leaving them out keeps the fingerprint equal
+            # on ranks whose parameters sit on their own GPU ("cuda:0", "cuda:1", ...).
+            specs = [_spec(i, p, with_device=False) for i, p in enumerate(params)]
             self._partition_cache = partition_params(specs, dist.get_world_size(self.process_group),
                                                      groups=groups)
         return self._partition_cache
+
+    def _check_ranks_agree(self) -> None:
+        """Raise ValueError on every rank unless all ranks planned the same partition.
+
+        Ranks with different parameters would otherwise pair mismatched broadcasts: a hang or
+        silently corrupted parameters. One all-reduce of the plan's fingerprint (MAX of ``v`` and
+        ``-v`` gives the max and the min) tells all ranks at once.
+        """
+        mine = int(self.partition.fingerprint(), 16) >> 1  # 63 bits: -v fits in an int64
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=self._default_device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
+        if both[0].item() != mine or -both[1].item() != mine:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: rank {self.rank} planned partition "
+                f"{self.partition.fingerprint()} over {len(self._params)} parameters, but other "
+                "ranks of the process group planned a different one; pass the same parameters "
+                "(shapes, dtypes, groups, order) on every rank")
 
     def _rank_param_groups(self, rank: int) -> list[dict[str, Any]]:
         """Rank ``rank``'s share as parameter groups: every group, each with only owned params."""
@@ -221,8 +242,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         after = self.partition
         # Loads carry over group to group, so earlier groups keep their owners and the local
         # optimizer's existing state stays valid.
+        self._check_ranks_agree()
         assert before is None or after.per_rank[self.rank][:-1] == before.per_rank[self.rank]
         self.optim.add_param_group(self._rank_param_groups(self.rank)[-1])
+        self._is_trainable_mask = self._trainable_mask()
         self._build_param_buckets()
 
     # -- step -----------------------------------------------------------------------------------

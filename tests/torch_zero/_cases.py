@@ -298,6 +298,30 @@ def subgroup(rank, world_size, *, bucket_view):
         assert_state_dicts(opts["hybrid"].state_dict(), opts["torch"].state_dict(), "subgroup state dict", exact=True)
 
 
+def ranks_disagree(rank, world_size):
+    """Different parameters on different ranks: a ValueError on every rank, not a hang."""
+    same = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 3))]
+    ZeroRedundancyOptimizer(same, torch.optim.SGD, lr=0.1)  # agreeing ranks: no error
+    differ = [torch.nn.Parameter(torch.zeros(4 + rank)), torch.nn.Parameter(torch.zeros(2, 3))]
+    try:
+        ZeroRedundancyOptimizer(differ, torch.optim.SGD, lr=0.1)
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    if world_size == 1:
+        assert raised is None, raised
+    else:
+        assert raised is not None and "different" in raised, raised
+    # A group added on one rank only is caught too.
+    opt = ZeroRedundancyOptimizer(same, torch.optim.SGD, lr=0.1)
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3 if rank == 0 else 5))]})
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    assert (raised is None) == (world_size == 1), raised
+
+
 class _GradSetter(Joinable):
     """After joining, a rank sets the ground-truth gradients before the ZeRO hook steps."""
 
@@ -409,6 +433,7 @@ def _table() -> dict:
                                                           maximize=True)
     cases["parity-sgd_momentum-closure"] = functools.partial(parity, optim="sgd_momentum", closure=True)
     cases["ownership"] = ownership
+    cases["ranks_disagree"] = ranks_disagree
     return cases
 
 
