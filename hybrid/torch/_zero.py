@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
 from hybrid.core import ParamPartition, TensorSpec, canonical_dtype, partition_params, plan_buckets
@@ -154,7 +155,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise NotImplementedError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not implemented yet in hybrid: "
                 "it needs hybrid.torch.DistributedDataParallel's ZeRO hook")
-        from torch.distributed.optim.utils import functional_optim_map
         if optimizer_class in functional_optim_map.values():
             raise ValueError(f"Passing in a functional optimizer {optimizer_class} "
                              "when `overlap_with_ddp=False`")
@@ -170,12 +170,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank: int = dist.get_rank(self.process_group)
         self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
         self._default_device = all_params[0].device
-        self._overlap_with_ddp = False
-        self._optim_defaults = defaults
-        self._optim_constructor = optimizer_class
+        self._check_ranks_agree()
         # Passing groups (not a flat list) lets a rank own nothing without tripping torch's
         # empty-parameter-list check, exactly as torch's ZeroRedundancyOptimizer does.
-        self._check_ranks_agree()
         self.optim: Optimizer = optimizer_class(self._rank_param_groups(self.rank), **defaults)
         _sync_param_groups(self.optim.param_groups, self.param_groups)
 
