@@ -96,6 +96,7 @@ def build_report(label: str, specs, args) -> dict:
             "flat_shard_bytes": flat_shard_bytes,
             "zero1_state_bytes": k * owned[r],
             "zero1_total_bytes": memory.param_bytes + memory.grad_bytes + k * owned[r],
+            "zero2_state_bytes": k * sum(shards.shard_sizes),
             "zero2_total_bytes": memory.param_bytes + flat_shard_bytes + k * sum(shards.shard_sizes),
         })
     buckets = [{
@@ -125,10 +126,12 @@ def print_report(report: dict) -> None:
     f = report["formula_bytes_per_rank"]
     print(f"\nZeRO view, world size {report['world_size']}, {report['optimizer']} "
           f"({report['state_bytes_per_param']} B of optimizer state per parameter):")
-    print(format_table(["rank", "owned (greedy)", "imbalance", "flat shard", "ZeRO-1 state", "ZeRO-1 total", "ZeRO-2 total"],
+    print(format_table(["rank", "owned (greedy)", "imbalance", "flat shard", "ZeRO-1 state", "ZeRO-1 total", "ZeRO-2 state",
+                        "ZeRO-2 total"],
                        [[r["rank"], human_bytes(r["bytes_owned"]), f"{100 * r['imbalance_vs_ideal']:+.2f}%",
                          human_bytes(r["flat_shard_bytes"]), human_bytes(r["zero1_state_bytes"]),
-                         human_bytes(r["zero1_total_bytes"]), human_bytes(r["zero2_total_bytes"])] for r in report["ranks"]]))
+                         human_bytes(r["zero1_total_bytes"]), human_bytes(r["zero2_state_bytes"]),
+                         human_bytes(r["zero2_total_bytes"])] for r in report["ranks"]]))
     print(f"\nPaper formulas per rank: DDP {human_bytes(f['ddp'])}, ZeRO-1 {human_bytes(f['zero1'])}, "
           f"ZeRO-2 {human_bytes(f['zero2'])}")
 
