@@ -72,24 +72,41 @@ def _hlo_summary(text: str) -> str:
             f"{count('copy')} copy, {count('pad')} pad, {count('fusion')} fusions")
 
 
-def _run_interleaved(steps: dict, states: dict, x, reps: int, num_steps: int) -> dict:
+def _run_interleaved(steps: dict, states: dict, x, reps: int, num_steps: int) -> tuple[dict, dict]:
+    """Wall-clock and process CPU seconds per step of every variant, one entry per repetition.
+
+    CPU time (all threads of this process) is printed beside wall time because on a shared
+    machine other jobs' load stretches wall time, by a different amount in every repetition.
+    """
     import jax
-    times = {name: [] for name in steps}
+    wall = {name: [] for name in steps}
+    cpu = {name: [] for name in steps}
     for _ in range(reps):
         for name in steps:  # interleaved: every repetition times every variant once
             p, s = states[name]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(num_steps):
                 p, s = steps[name](p, s, x)
             jax.block_until_ready((p, s))
-            times[name].append((time.perf_counter() - t0) / num_steps)
+            wall[name].append((time.perf_counter() - t0) / num_steps)
+            cpu[name].append((time.process_time() - c0) / num_steps)
             states[name] = (p, s)
-    return times
+    return wall, cpu
+
+
+def _print_times(wall: dict, cpu: dict) -> tuple[dict, dict]:
+    med = {name: statistics.median(t) for name, t in wall.items()}
+    cpu_med = {name: statistics.median(t) for name, t in cpu.items()}
+    for name in wall:
+        print(f"  {name:16s} {med[name] * 1e3:9.2f} ms/step  (min {min(wall[name]) * 1e3:.2f}, "
+              f"max {max(wall[name]) * 1e3:.2f}); CPU {cpu_med[name] * 1e3:.2f} ms/step")
+    return med, cpu_med
 
 
 def _compile(variants: dict, params, x, mesh):
     """One compiled shard_map train step and an initial (params, state) per variant."""
     import jax
+    import jax.numpy as jnp
     import optax
     from jax.sharding import PartitionSpec as P
 
@@ -109,11 +126,13 @@ def _compile(variants: dict, params, x, mesh):
         init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
         # Without a reduction (the compute floor) the parameters differ per device: check_vma off
         # lets out_specs P() keep one device's copy, which is all a timing needs.
+        # Params and state donated, as a training loop does: every variant updates in place.
         fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("dp")), out_specs=(P(), specs),
-                                   check_vma=reduce), donate_argnums=(1,))
-        state = init(params)
-        steps[name] = fn.lower(params, state, x).compile()
-        states[name] = jax.block_until_ready(steps[name](params, state, x))  # warm up
+                                   check_vma=reduce), donate_argnums=(0, 1))
+        own = jax.tree_util.tree_map(jnp.copy, params)  # each variant donates its own copy
+        state = init(own)
+        steps[name] = fn.lower(own, state, x).compile()
+        states[name] = jax.block_until_ready(steps[name](own, state, x))  # warm up
     return steps, states
 
 
@@ -171,18 +190,16 @@ def main(argv: list[str]) -> int:
     if args.breakdown:
         variants["local_sgd"] = (optax.sgd(1e-3), False)
     steps, states = _compile(variants, params, x, mesh)
-    times = _run_interleaved(steps, states, x, args.reps, args.steps)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    times, cpu = _run_interleaved(steps, states, x, args.reps, args.steps)
     print(f"bench jax: 4 host devices ({devices[0].platform}), {os.cpu_count()} CPU cores")
     print(f"[1] data-parallel SGD step: MLP {args.depth} x {args.width}^2, {num_params} float32 params "
           f"in {plan.num_buckets} buckets (25 MiB / 1 MiB caps), global batch {args.batch}, "
           f"{args.reps} reps x {args.steps} steps interleaved, medians")
-    for name in variants:
-        print(f"  {name:16s} {med[name] * 1e3:9.2f} ms/step  (min {min(times[name]) * 1e3:.2f}, "
-              f"max {max(times[name]) * 1e3:.2f})")
+    med, cpu_med = _print_times(times, cpu)
     ratio = med["bucketed_sgd"] / med["psum_sgd"]
     print(f"  bucketed_all_reduce / psum step : {ratio:.3f}  (target <= 1.05); "
-          f"ratio of minima {min(times['bucketed_sgd']) / min(times['psum_sgd']):.3f}")
+          f"ratio of minima {min(times['bucketed_sgd']) / min(times['psum_sgd']):.3f}, "
+          f"of CPU time {cpu_med['bucketed_sgd'] / cpu_med['psum_sgd']:.3f}")
     if args.breakdown:
         print(f"  reduction cost (psum - local)   : {(med['psum_sgd'] - med['local_sgd']) * 1e3:.2f} ms; "
               f"bucketing overhead (bucketed - psum): {(med['bucketed_sgd'] - med['psum_sgd']) * 1e3:.2f} ms")
@@ -200,13 +217,10 @@ def main(argv: list[str]) -> int:
                 "zero1_adam": (hj.zero(adam(), "dp", stage=1), True),
                 "zero2_adam": (hj.zero(adam(), "dp", stage=2), True)}
     steps, states = _compile(variants, params, x, mesh)
-    times = _run_interleaved(steps, states, x, args.zero_reps, args.zero_steps)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    times, cpu = _run_interleaved(steps, states, x, args.zero_reps, args.zero_steps)
     print(f"[2] ZeRO: MLP {args.zero_depth} x {args.zero_width}^2, {num_params} float32 params, global batch "
           f"{args.zero_batch}, {args.zero_reps} reps x {args.zero_steps} steps interleaved, medians")
-    for name in variants:
-        print(f"  {name:16s} {med[name] * 1e3:9.2f} ms/step  (min {min(times[name]) * 1e3:.2f}, "
-              f"max {max(times[name]) * 1e3:.2f})")
+    med, _ = _print_times(times, cpu)
     print(f"  zero stage 1 / unsharded adam   : {med['zero1_adam'] / med['unsharded_adam']:.3f}")
     print(f"  zero stage 2 / unsharded adam   : {med['zero2_adam'] / med['unsharded_adam']:.3f}")
     dev = devices[0]
