@@ -1,14 +1,25 @@
 """``python -m hybrid bench jax``: bucketed all-reduce and ZeRO against plain optax, 4 host devices.
 
 Every variant is a full jitted shard_map train step (forward, per-device gradient, reduction,
-optimizer, apply) on the same MLP and batch. Variants run interleaved (A, B, C, ... repeated),
-each timed over a few steps per repetition; the medians and their ratios are printed.
+optimizer, apply). Two measurements, each with its variants run interleaved (A, B, C, A, B, C...)
+and timed per repetition; medians and their ratios are printed:
+
+1. data-parallel SGD on a ~10M-parameter MLP (3 buckets at DDP's 25 MiB / 1 MiB caps) with a
+   global batch of 1024 rows, so the step does the forward and backward work of training rather
+   than only moving gradients: per-leaf ``pmean`` (the baseline) against ``bucketed_all_reduce``.
+   ``--breakdown`` adds a step without any reduction (the compute floor).
+2. ZeRO stage 1 and 2 against unsharded adam on a 4.2M-parameter MLP, and their state bytes.
+
+The optimized HLO of the two SGD steps is summarised too (collectives after XLA's all-reduce
+combiner, concatenates): on host devices the per-leaf psums are merged into one all-reduce of the
+leaves in place, so bucketing's one extra cost there is the copy that fills the buckets.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -40,23 +51,116 @@ def _bytes_per_device(state, device) -> int:
                if s.device == device)
 
 
+def _entry_ops(text: str) -> list[tuple[str, str]]:
+    """``(instruction name, opcode)`` of the ENTRY computation of an optimized HLO module."""
+    entry = text[text.index("\nENTRY "):]
+    ops = []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+        op = re.search(r"\s([a-z][a-z0-9\-]*)\(", line[m.end() - 1:]) if m else None
+        if op:
+            ops.append((m.group(1), op.group(1)))
+    return ops
+
+
+def _hlo_summary(text: str) -> str:
+    """Counts of the ops that decide the copy and communication cost."""
+    ops = _entry_ops(text)
+    count = lambda opcode: sum(op == opcode for _, op in ops)
+    concats = sum(op == "concatenate" or (op == "fusion" and "concatenate" in name) for name, op in ops)
+    return (f"{count('all-reduce')} all-reduce, {concats} concatenate (incl. fused), "
+            f"{count('copy')} copy, {count('pad')} pad, {count('fusion')} fusions")
+
+
+def _run_interleaved(steps: dict, states: dict, x, reps: int, num_steps: int) -> tuple[dict, dict]:
+    """Wall-clock and process CPU seconds per step of every variant, one entry per repetition.
+
+    CPU time (all threads of this process) is printed beside wall time because on a shared
+    machine other jobs' load stretches wall time, by a different amount in every repetition.
+    """
+    import jax
+    wall = {name: [] for name in steps}
+    cpu = {name: [] for name in steps}
+    for _ in range(reps):
+        for name in steps:  # interleaved: every repetition times every variant once
+            p, s = states[name]
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(num_steps):
+                p, s = steps[name](p, s, x)
+            jax.block_until_ready((p, s))
+            wall[name].append((time.perf_counter() - t0) / num_steps)
+            cpu[name].append((time.process_time() - c0) / num_steps)
+            states[name] = (p, s)
+    return wall, cpu
+
+
+def _print_times(wall: dict, cpu: dict) -> tuple[dict, dict]:
+    med = {name: statistics.median(t) for name, t in wall.items()}
+    cpu_med = {name: statistics.median(t) for name, t in cpu.items()}
+    for name in wall:
+        print(f"  {name:16s} {med[name] * 1e3:9.2f} ms/step  (min {min(wall[name]) * 1e3:.2f}, "
+              f"max {max(wall[name]) * 1e3:.2f}); CPU {cpu_med[name] * 1e3:.2f} ms/step")
+    return med, cpu_med
+
+
+def _compile(variants: dict, params, x, mesh):
+    """One compiled shard_map train step and an initial (params, state) per variant."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import hybrid.jax as hj
+    steps, states = {}, {}
+    for name, (tx, reduce) in variants.items():
+        if name.startswith("zero"):
+            specs = hj.zero_state_specs(tx, params, "dp", axis_size=mesh.size)
+        else:
+            specs = jax.tree_util.tree_map(lambda _: P(), jax.eval_shape(tx.init, params))
+
+        def step(params, state, x, tx=tx, reduce=reduce):
+            g = hj.local_grad(_loss, "dp")(params, x)
+            u, state = tx.update(g, state, params)
+            return optax.apply_updates(params, u), state
+
+        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+        # Without a reduction (the compute floor) the parameters differ per device: check_vma off
+        # lets out_specs P() keep one device's copy, which is all a timing needs.
+        # Params and state donated, as a training loop does: every variant updates in place.
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("dp")), out_specs=(P(), specs),
+                                   check_vma=reduce), donate_argnums=(0, 1))
+        own = jax.tree_util.tree_map(jnp.copy, params)  # each variant donates its own copy
+        state = init(own)
+        steps[name] = fn.lower(own, state, x).compile()
+        states[name] = jax.block_until_ready(steps[name](own, state, x))  # warm up
+    return steps, states
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench jax")
-    parser.add_argument("--quick", action="store_true", help="a tiny model and few repetitions")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=64, help="global batch (split over devices)")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="steps timed per repetition")
+    parser.add_argument("--quick", action="store_true", help="tiny models and few repetitions")
+    parser.add_argument("--width", type=int, default=1024, help="SGD model: layer width")
+    parser.add_argument("--depth", type=int, default=10, help="SGD model: layers")
+    parser.add_argument("--batch", type=int, default=1024, help="SGD model: global batch (split over devices)")
+    parser.add_argument("--reps", type=int, default=15, help="SGD measurement: interleaved repetitions")
+    parser.add_argument("--steps", type=int, default=1, help="SGD measurement: steps timed per repetition")
+    parser.add_argument("--breakdown", action="store_true", help="also time a step without reduction")
+    parser.add_argument("--zero-width", type=int, default=512)
+    parser.add_argument("--zero-depth", type=int, default=16)
+    parser.add_argument("--zero-batch", type=int, default=64)
+    parser.add_argument("--zero-reps", type=int, default=7)
+    parser.add_argument("--zero-steps", type=int, default=3)
+    parser.add_argument("--skip-zero", action="store_true", help="only the SGD measurement")
     args = parser.parse_args(argv)
     if args.quick:
-        args.width, args.depth, args.reps, args.steps = 128, 4, 3, 2
+        args.width, args.depth, args.batch, args.reps, args.steps = 256, 4, 64, 3, 2
+        args.zero_width, args.zero_depth, args.zero_reps, args.zero_steps = 128, 4, 3, 2
 
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
 
     import hybrid.jax as hj
     from hybrid.core import plan_buckets
@@ -67,10 +171,6 @@ def main(argv: list[str]) -> int:
               f"XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax is imported", file=sys.stderr)
         return 1
     mesh = Mesh(np.array(devices[:4]), ("dp",))
-    params = _model(args.width, args.depth)
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(args.batch, args.width)).astype(np.float32))
-    num_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
-    plan = plan_buckets(hj.specs(params))
 
     def pmean_tree(axis):  # the baseline DDP-style reduction: one pmean per leaf
         def update(u, s, p=None):
@@ -78,51 +178,49 @@ def main(argv: list[str]) -> int:
             return jax.lax.pmean(u, axis), s
         return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
+    def batch(rows, width):
+        return jnp.asarray(np.random.default_rng(1).normal(size=(rows, width)).astype(np.float32))
+
+    # 1. bucketed all-reduce vs per-leaf pmean, SGD
+    params, x = _model(args.width, args.depth), batch(args.batch, args.width)
+    num_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
+    plan = plan_buckets(hj.specs(params))
+    variants = {"psum_sgd": (optax.chain(pmean_tree("dp"), optax.sgd(1e-3)), True),
+                "bucketed_sgd": (optax.chain(hj.bucketed_all_reduce("dp"), optax.sgd(1e-3)), True)}
+    if args.breakdown:
+        variants["local_sgd"] = (optax.sgd(1e-3), False)
+    steps, states = _compile(variants, params, x, mesh)
+    times, cpu = _run_interleaved(steps, states, x, args.reps, args.steps)
+    print(f"bench jax: 4 host devices ({devices[0].platform}), {os.cpu_count()} CPU cores")
+    print(f"[1] data-parallel SGD step: MLP {args.depth} x {args.width}^2, {num_params} float32 params "
+          f"in {plan.num_buckets} buckets (25 MiB / 1 MiB caps), global batch {args.batch}, "
+          f"{args.reps} reps x {args.steps} steps interleaved, medians")
+    med, cpu_med = _print_times(times, cpu)
+    ratio = med["bucketed_sgd"] / med["psum_sgd"]
+    print(f"  bucketed_all_reduce / psum step : {ratio:.3f}  (target <= 1.05); "
+          f"ratio of minima {min(times['bucketed_sgd']) / min(times['psum_sgd']):.3f}, "
+          f"of CPU time {cpu_med['bucketed_sgd'] / cpu_med['psum_sgd']:.3f}")
+    if args.breakdown:
+        print(f"  reduction cost (psum - local)   : {(med['psum_sgd'] - med['local_sgd']) * 1e3:.2f} ms; "
+              f"bucketing overhead (bucketed - psum): {(med['bucketed_sgd'] - med['psum_sgd']) * 1e3:.2f} ms")
+    for name in ("psum_sgd", "bucketed_sgd"):
+        print(f"  optimized HLO {name:12s}: {_hlo_summary(steps[name].as_text())}")
+    del steps, states
+
+    if args.skip_zero:
+        return 0
+    # 2. ZeRO vs unsharded adam
+    params, x = _model(args.zero_width, args.zero_depth), batch(args.zero_batch, args.zero_width)
+    num_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
     adam = lambda: optax.adam(1e-3)
-    variants = {
-        "psum_sgd": optax.chain(pmean_tree("dp"), optax.sgd(1e-3)),
-        "bucketed_sgd": optax.chain(hj.bucketed_all_reduce("dp"), optax.sgd(1e-3)),
-        "unsharded_adam": optax.chain(pmean_tree("dp"), adam()),
-        "zero1_adam": hj.zero(adam(), "dp", stage=1),
-        "zero2_adam": hj.zero(adam(), "dp", stage=2),
-    }
-    steps, states = {}, {}
-    for name, tx in variants.items():
-        if name.startswith("zero"):
-            specs = hj.zero_state_specs(tx, params, "dp", axis_size=4)
-        else:
-            specs = jax.tree_util.tree_map(lambda _: P(), jax.eval_shape(tx.init, params))
-
-        def step(params, state, x, tx=tx):
-            g = hj.local_grad(_loss, "dp")(params, x)
-            u, state = tx.update(g, state, params)
-            return optax.apply_updates(params, u), state
-
-        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-        steps[name] = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("dp")),
-                                            out_specs=(P(), specs)), donate_argnums=(1,))
-        states[name] = (params, init(params))
-        states[name] = jax.block_until_ready(steps[name](*states[name], x))  # compile + warm up
-
-    times = {name: [] for name in variants}
-    for _ in range(args.reps):
-        for name in variants:  # interleaved: every repetition times every variant once
-            p, s = states[name]
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                p, s = steps[name](p, s, x)
-            jax.block_until_ready((p, s))
-            times[name].append((time.perf_counter() - t0) / args.steps)
-            states[name] = (p, s)
-    med = {name: statistics.median(t) for name, t in times.items()}
-
-    print(f"bench jax: 4 host devices ({jax.devices()[0].platform}), MLP {args.depth} x {args.width}^2, "
-          f"{num_params} float32 params in {plan.num_buckets} buckets (25 MiB / 1 MiB caps), "
-          f"global batch {args.batch}, {args.reps} reps x {args.steps} steps, medians")
-    for name in variants:
-        print(f"  {name:16s} {med[name] * 1e3:9.2f} ms/step  (min {min(times[name]) * 1e3:.2f}, "
-              f"max {max(times[name]) * 1e3:.2f})")
-    print(f"  bucketed_all_reduce / psum step : {med['bucketed_sgd'] / med['psum_sgd']:.3f}  (target <= 1.05)")
+    variants = {"unsharded_adam": (optax.chain(pmean_tree("dp"), adam()), True),
+                "zero1_adam": (hj.zero(adam(), "dp", stage=1), True),
+                "zero2_adam": (hj.zero(adam(), "dp", stage=2), True)}
+    steps, states = _compile(variants, params, x, mesh)
+    times, cpu = _run_interleaved(steps, states, x, args.zero_reps, args.zero_steps)
+    print(f"[2] ZeRO: MLP {args.zero_depth} x {args.zero_width}^2, {num_params} float32 params, global batch "
+          f"{args.zero_batch}, {args.zero_reps} reps x {args.zero_steps} steps interleaved, medians")
+    med, _ = _print_times(times, cpu)
     print(f"  zero stage 1 / unsharded adam   : {med['zero1_adam'] / med['unsharded_adam']:.3f}")
     print(f"  zero stage 2 / unsharded adam   : {med['zero2_adam'] / med['unsharded_adam']:.3f}")
     dev = devices[0]

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, pack, unpack
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
+from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps
 
 
@@ -18,8 +19,8 @@ def _reduce(flat, axis_name):
 
 def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                         first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-                        mean: bool = True, order: Sequence[str] | None = None
-                        ) -> optax.GradientTransformation:
+                        mean: bool = True, order: Sequence[str] | None = None,
+                        copy_backend: str | None = None) -> optax.GradientTransformation:
     """Sum (or average) per-device gradients over ``axis_name``, one collective per bucket.
 
     Gradients are packed into the flat buckets of ``hybrid.core.plan_buckets`` (the same buckets
@@ -33,6 +34,9 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
       bucket_cap_bytes / first_bucket_cap_bytes: DDP's bucket caps.
       mean: divide by the axis size (DDP's average) instead of summing.
       order: leaf names in registration order (see :func:`hybrid.jax.specs`).
+      copy_backend: how buckets are filled and emptied: ``"auto"`` (``hybrid.kernels``' CUDA
+        kernels when JAX runs on a GPU and the library is built, ``hybrid.core.pack`` / ``unpack``
+        otherwise), ``"cuda"`` or ``"reference"`` to force one; default ``$HYBRID_KERNELS`` or auto.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> tx = bucketed_all_reduce("dp")
@@ -42,6 +46,7 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
     [1.5]
     """
     check_caps(bucket_cap_bytes, first_bucket_cap_bytes)
+    check_backend(copy_backend)
 
     def init_fn(params):
         del params
@@ -53,13 +58,14 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
         layout = _Layout.of(updates, what="bucketed_all_reduce", order=order,
                             bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
         arrays = layout.spec_arrays(updates)
+        cuda = use_kernels(copy_backend)
         out = {}
         for b in range(layout.plan.num_buckets):
-            flat = _reduce(pack(layout.plan, b, arrays), axis_name)
-            if mean:
-                # Scale after the sum (as DDP divides the bucket): one collective, one multiply.
-                flat = flat / n
-            out.update(unpack(layout.plan, b, flat))
+            flat = _reduce(pack_bucket(layout.plan, b, arrays, cuda=cuda), axis_name)
+            # The mean's divide comes after the sum, on the way out of the bucket: XLA fuses it
+            # (and the unpacking slices) into the consumers of each leaf, the kernel into its copy,
+            # so it costs no pass over the bucket of its own.
+            out.update(unpack_bucket(layout.plan, b, flat, divisor=n if mean else None, cuda=cuda))
         return layout.unflatten(out), state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -10,7 +10,8 @@ import jax
 import optax
 from jax.sharding import PartitionSpec
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, pack, unpack
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
+from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps
 
 # optax transforms whose result depends on statistics across elements, leaves or shapes: run on
@@ -78,8 +79,8 @@ class ZeroState:
 def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
          first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES, mean: bool = True,
-         order: Sequence[str] | None = None, check_elementwise: bool = True
-         ) -> optax.GradientTransformation:
+         order: Sequence[str] | None = None, check_elementwise: bool = True,
+         copy_backend: str | None = None) -> optax.GradientTransformation:
     """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2).
 
     Gradients (per device, see :func:`hybrid.jax.local_grad`) are packed into the buckets of
@@ -103,6 +104,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
       mean: average gradients over the axis (DDP) instead of summing.
       order: leaf names in registration order (see :func:`hybrid.jax.specs`).
       check_elementwise: refuse known non-elementwise inner transforms.
+      copy_backend: ``"auto"`` | ``"cuda"`` | ``"reference"``: how buckets are packed and
+        unpacked, as for :func:`hybrid.jax.bucketed_all_reduce`.
 
     >>> import jax, jax.numpy as jnp, numpy as np, optax
     >>> tx = zero(optax.sgd(0.1), "dp", stage=2)
@@ -117,6 +120,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     check_caps(bucket_cap_bytes, first_bucket_cap_bytes)
+    check_backend(copy_backend)
     if check_elementwise:
         bad = _non_elementwise(inner)
         if bad:
@@ -129,12 +133,12 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     def layout_of(tree, what):
         return _Layout.of(tree, what=what, order=order, **caps)
 
-    def local_shards(layout, shards, tree, rank):
+    def local_shards(layout, shards, tree, rank, cuda):
         # This device's slice of every bucket of a replicated tree: no communication.
         arrays = layout.spec_arrays(tree)
         out = []
         for b in range(layout.plan.num_buckets):
-            flat = pack(layout.plan, b, arrays, length=shards.padded_length(b))
+            flat = pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=cuda)
             size = shards.shard_sizes[b]
             out.append(jax.lax.dynamic_slice_in_dim(flat, rank * size, size))
         return tuple(out)
@@ -143,7 +147,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         n = axis_size(axis_name, "zero.init")
         layout = layout_of(params, "zero.init")
         shards = layout.shards(n)
-        param_shards = local_shards(layout, shards, params, jax.lax.axis_index(axis_name))
+        param_shards = local_shards(layout, shards, params, jax.lax.axis_index(axis_name),
+                                    use_kernels(copy_backend))
         return ZeroState(inner.init(param_shards), shards.fingerprint())
 
     def update_fn(updates, state, params=None):
@@ -157,10 +162,11 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
                              f"differs from the one zero.init saw (plan {shards.fingerprint()} vs "
                              f"{state.plan_fingerprint}); re-run init after changing the model")
         rank = jax.lax.axis_index(axis_name)
+        cuda = use_kernels(copy_backend)
         arrays = layout.spec_arrays(updates)
         grad_shards = []
         for b in range(layout.plan.num_buckets):
-            flat = pack(layout.plan, b, arrays, length=shards.padded_length(b))
+            flat = pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=cuda)
             if stage == 1:
                 size = shards.shard_sizes[b]
                 shard = jax.lax.dynamic_slice_in_dim(jax.lax.psum(flat, axis_name), rank * size, size)
@@ -173,13 +179,13 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
             if param_layout.plan != layout.plan:
                 raise ValueError("zero.update: params and updates must be trees of the same names, "
                                  "shapes and dtypes")
-            param_shards = local_shards(param_layout, shards, params, rank)
+            param_shards = local_shards(param_layout, shards, params, rank, cuda)
         new_shards, inner_state = inner.update(tuple(grad_shards), state.inner, param_shards)
         out = {}
         for b, shard in enumerate(new_shards):
             # to="invarying": every device holds the same result, so shard_map may return it as P().
             full = jax.lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")
-            out.update(unpack(layout.plan, b, full))
+            out.update(unpack_bucket(layout.plan, b, full, cuda=cuda))
         return layout.unflatten(out), ZeroState(inner_state, state.plan_fingerprint)
 
     return optax.GradientTransformation(init_fn, update_fn)
