@@ -389,12 +389,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         state = self._state
         if self._expect_hooks and state is not None and state.started and not state.finished:
             missing = state.missing()
+            # torch's two texts: with static_graph a missing gradient means the graph changed.
+            why = ("This error indicates that your training graph has changed in this iteration, e.g., "
+                   "one parameter is used in first iteration, but then got unused in the second "
+                   "iteration. this is not compatible with static_graph set to True.\n"
+                   if self.static_graph else
+                   "This error indicates that your module has parameters that were not used in producing "
+                   "loss. You can enable unused parameter detection by passing the keyword argument "
+                   "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by "
+                   "making sure all `forward` function outputs participate in calculating loss.\n")
             raise RuntimeError(
                 "Expected to have finished reduction in the prior iteration before starting a new one. "
-                "This error indicates that your module has parameters that were not used in producing "
-                "loss. You can enable unused parameter detection by passing the keyword argument "
-                "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by "
-                "making sure all `forward` function outputs participate in calculating loss.\n"
+                + why +
                 f"Parameter indices which did not receive grad for rank {self._rank}: "
                 f"{' '.join(map(str, missing))}\n"
                 f"Parameters which did not receive grad for rank {self._rank}: "
