@@ -409,9 +409,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- backward ---------------------------------------------------------------------------
 
     def _make_hook(self, index: int):
+        on_ready = self._on_ready  # bound once, not on every gradient
+
         def hook(param):
             if self._expect_hooks and self.require_backward_grad_sync:
-                self._on_ready(index, param)
+                on_ready(index, param)
         return hook
 
     def _on_ready(self, index: int, param) -> None:
