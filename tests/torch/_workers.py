@@ -225,6 +225,8 @@ def parity_worker(rank, world, port, outdir, case_names):
                 out[label] = {"error": (type(e).__name__, str(e)[:300]), "traceback": traceback.format_exc()}
             dist.barrier()
         results[name] = out
+    if world > 1:  # in this spawn too: a spawn of its own costs more than the case
+        results["join_throw"] = _join_throw(rank)
     torch.save(results, os.path.join(outdir, f"parity_rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -335,10 +337,9 @@ def stalled_peer_worker(rank, world, port, outdir):
     os._exit(0)
 
 
-def join_throw_worker(rank, world, port, outdir):
+def _join_throw(rank):
     """Uneven inputs (rank r has STEPS + r batches) under ``join(throw_on_early_termination=True)``:
     torch's DDP, then ours; what each rank raises, after how many steps, and the parameters then."""
-    _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
     res = {}
     for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
         torch.manual_seed(0)
@@ -358,6 +359,4 @@ def join_throw_worker(rank, world, port, outdir):
         res[label] = {"error": _expect(run), "steps": len(done),
                       "params": [p.detach().clone() for p in model.parameters()]}
         dist.barrier()
-    torch.save(res, os.path.join(outdir, f"join_throw_rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return res

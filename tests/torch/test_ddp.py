@@ -180,14 +180,12 @@ def test_state_dict_keys_like_torch(errors):
 
 
 @pytest.mark.parametrize("world", (2, 3))
-def test_join_throw_on_early_termination_like_torch(world):
+def test_join_throw_on_early_termination_like_torch(parity, world):
     # Rank r has STEPS + r batches. With throw_on_early_termination=True, torch's Join raises on
     # every rank once rank 0 runs out: "Rank 0 exhausted all inputs." on rank 0, "Detected at least
     # one rank that exhausted inputs..." on the others, after the same number of completed steps.
-    outdir = _spawn(_workers.join_throw_worker, world)
     for rank in range(world):
-        res = torch.load(os.path.join(outdir, f"join_throw_rank{rank}.pt"))
-        ref, ours = res["torch"], res["hybrid"]
+        ref, ours = parity[world][rank]["join_throw"]["torch"], parity[world][rank]["join_throw"]["hybrid"]
         assert ref["error"] is not None and ref["error"][0] == "RuntimeError", ref["error"]
         assert ours["error"] == ref["error"]
         assert ours["steps"] == ref["steps"] == _workers.STEPS
