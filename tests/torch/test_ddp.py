@@ -235,3 +235,31 @@ def test_stalled_peer_respects_process_group_timeout():
     res = torch.load(os.path.join(outdir, "stalled_rank0.pt"))
     assert res["error"] is not None, res
     assert 1.5 < res["elapsed"] < 5.0, res  # the 2 s timeout, not the peer's 6 s sleep
+
+
+@pytest.mark.parametrize("n, cap_bytes, seed", [(5, 1024, 0), (300, 4096, 1), (2000, 16384, 2), (64, 1 << 20, 3)])
+def test_reducer_state_matches_set_reference(n, cap_bytes, seed):
+    # The bitmask / cons-list state against a plain reference kept with a set and a list: the
+    # launches after every event (the longest prefix of buckets whose members are all ready),
+    # the ready order, what is missing halfway, and a second mark of an already-ready tensor.
+    import random
+    rng = random.Random(seed)
+    plan = plan_buckets([TensorSpec(f"p{i}", (rng.randint(1, 64),), "float32") for i in range(n)],
+                        bucket_cap_bytes=cap_bytes, first_bucket_cap_bytes=cap_bytes)
+    order = list(range(n))
+    rng.shuffle(order)
+    state, seen, launched = start_iteration(plan), set(), 0
+    for k, t in enumerate(order):
+        state, launch = mark_ready(state, t)
+        seen.add(t)
+        end = launched
+        while end < plan.num_buckets and set(plan.buckets[end].members) <= seen:
+            end += 1
+        assert launch == tuple(range(launched, end)), (k, t)
+        launched = end
+        if k == n // 2:
+            assert state.missing() == tuple(sorted(set(range(n)) - seen))
+            assert state.is_ready(t) and state.started and state.num_ready == k + 1
+            with pytest.raises(RuntimeError, match="only once"):
+                mark_ready(state, order[0])
+    assert state.finished and state.ready_order == tuple(order) and state.missing() == ()
