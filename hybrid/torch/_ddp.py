@@ -18,6 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from hybrid.core import BucketPlan, TensorSpec, canonical_dtype, ddp_size_limits, plan_buckets, rebuild_plan
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
+from hybrid import kernels
 
 _MB = 1024 * 1024
 _BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
@@ -102,6 +103,19 @@ def _reachable_params(outputs) -> set[int]:
     return found
 
 
+def _bucket_copy_backend(device: torch.device) -> str:
+    """``"cuda"`` when copies between gradients and buckets on ``device`` go through
+    :mod:`hybrid.kernels` (CUDA tensors, library built, unless ``HYBRID_KERNELS=reference``),
+    else ``"reference"``: torch's own (foreach) copies, as on CPU.
+
+    >>> _bucket_copy_backend(torch.device("cpu"))
+    'reference'
+    """
+    if device.type != "cuda":
+        return "reference"
+    return kernels._backend(None, on_cuda=True)
+
+
 def _unsupported(name, value, default):
     if value is not default and value != default:
         raise NotImplementedError(f"hybrid.torch.DistributedDataParallel does not support {name}={value!r}")
@@ -142,9 +156,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                           "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
-        if batched_grad_copy:
-            warnings.warn("batched_grad_copy is accepted but has no effect: gradients are copied "
-                          "one by one", stacklevel=2)
         self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = _reduced_parameters(module, self.parameters_to_ignore)
@@ -196,8 +207,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
         self._world = dist.get_world_size(self.process_group)
         self._rank = dist.get_rank(self.process_group)
-        self._div_factor = self._world
+        self._set_div_factor(self._world)
         self._divide_by_initial_world_size = True
+        self.batched_grad_copy = batched_grad_copy
+        self._iteration = 0
+        self._delaying = False
         self._init_sync_buffers = init_sync_buffers
 
         if bucket_cap_mb_list:
@@ -242,8 +256,20 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if p.grad is not None:
                     v.copy_(p.grad)
                     p.grad = v
-        self._scale_state = [self._NEEDS_MUL] * len(self._params)
         self._bucket_is_last = [b == len(plan.buckets) - 1 for b in range(len(plan.buckets))]
+        # The start state is an immutable value: every iteration on this plan starts from it.
+        self._start_state = start_iteration(plan)
+        self._scaled_in = [-1] * len(self._params)  # iteration in which a hook already scaled it
+        self._kernel_copy = _bucket_copy_backend(self.device) == "cuda"
+        self._update_copy_policy()
+
+    def _update_copy_policy(self) -> None:
+        """Which gradients the hook copies (fused with the scale) rather than ``_fill_bucket``."""
+        fuse = not (self.batched_grad_copy or self._kernel_copy or self._comm_hook is not None)
+        self._fuse_at_hook = [fuse and p.numel() >= self._FUSED_SCALE_NUMEL for p in self._params]
+
+    def _set_div_factor(self, n: int) -> None:
+        self._div_factor, self._inv_div = n, 1.0 / n
 
     def _verify_same_model(self) -> None:
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
@@ -309,8 +335,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         work = Join.notify_join_context(self)
         if work is not None:
             work.wait()
-            self._div_factor = (self._world if self._divide_by_initial_world_size
-                                else int(work.result()[0].item()))
+            self._set_div_factor(self._world if self._divide_by_initial_world_size
+                                 else int(work.result()[0].item()))
         if torch.is_grad_enabled():
             self._maybe_rebuild()
         if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
@@ -319,7 +345,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         out = self.module(*inputs, **kwargs)
         if grad_sync:
-            self._state = start_iteration(self.bucket_plan)
+            self._state = self._start_state
+            self._iteration += 1
+            self._delaying = self.static_graph and self._static_unused is None
             self._futures = []
             self._pending_unused = ()
             if self.find_unused_parameters and not self.static_graph:
@@ -361,12 +389,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         state = self._state
         if self._expect_hooks and state is not None and state.started and not state.finished:
             missing = state.missing()
+            # torch's two texts: with static_graph a missing gradient means the graph changed.
+            why = ("This error indicates that your training graph has changed in this iteration, e.g., "
+                   "one parameter is used in first iteration, but then got unused in the second "
+                   "iteration. this is not compatible with static_graph set to True.\n"
+                   if self.static_graph else
+                   "This error indicates that your module has parameters that were not used in producing "
+                   "loss. You can enable unused parameter detection by passing the keyword argument "
+                   "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by "
+                   "making sure all `forward` function outputs participate in calculating loss.\n")
             raise RuntimeError(
                 "Expected to have finished reduction in the prior iteration before starting a new one. "
-                "This error indicates that your module has parameters that were not used in producing "
-                "loss. You can enable unused parameter detection by passing the keyword argument "
-                "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by "
-                "making sure all `forward` function outputs participate in calculating loss.\n"
+                + why +
                 f"Parameter indices which did not receive grad for rank {self._rank}: "
                 f"{' '.join(map(str, missing))}\n"
                 f"Parameters which did not receive grad for rank {self._rank}: "
@@ -375,30 +409,36 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- backward ---------------------------------------------------------------------------
 
     def _make_hook(self, index: int):
+        on_ready = self._on_ready  # bound once, not on every gradient
+
         def hook(param):
             if self._expect_hooks and self.require_backward_grad_sync:
-                self._on_ready(index, param)
+                on_ready(index, param)
         return hook
 
     def _on_ready(self, index: int, param) -> None:
+        # Runs once per gradient inside autograd: keep it to the state transition plus, for a big
+        # gradient, torch's fused copy-and-scale; small gradients are copied per bucket at launch.
         state = self._state
-        if not state.ready_order:
+        if not state.num_ready:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if self._static_unused is not None and index in self._static_unused:
             raise RuntimeError(
                 "Your training graph has changed in this iteration, e.g., one parameter is unused in "
                 "first iteration, but then got used in the second iteration. this is not compatible "
                 f"with static_graph set to True. Parameter: {self._names[index]}")
-        self._copy_grad(index, param.grad)
+        if self._fuse_at_hook[index]:
+            grad, view = param.grad, self._views[index]
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                torch.mul(grad, self._inv_div, out=view)
+                self._scaled_in[index] = self._iteration
         state, launch = mark_ready(state, index)
-        if self.static_graph and self._static_unused is None:
+        if self._delaying:
             # static_graph's first iteration: only record; _finalize reduces everything at the end
             # (torch's delay_all_reduce), once it knows which parameters the graph leaves unused.
             object.__setattr__(self, "_state", state)
             return
         if self._pending_unused and not state.unused:
-            for i in self._pending_unused:
-                self._copy_grad(i, self._params[i].grad)
             state, more = mark_unused(state, self._pending_unused)
             launch += more
         # object.__setattr__: nn.Module.__setattr__ costs microseconds per call, once per gradient.
@@ -413,46 +453,51 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._local_used = used
             self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
 
-    # Gradient states before a bucket launches: what _scale_bucket still has to do to each view.
-    _NEEDS_MUL, _NEEDS_DIV, _SCALED = 0, 1, 2
-    # From this many elements on, scaling while copying (one pass over memory, torch's mul_out)
-    # beats a copy now and a multiply at launch; below it the per-call overhead dominates.
+    # From this many elements on, scaling while copying in the hook (one pass over memory, torch's
+    # mul_out) beats a batched copy and a multiply at launch; below it per-call overhead dominates.
     _FUSED_SCALE_NUMEL = 1 << 16
 
-    def _copy_grad(self, index: int, grad) -> None:
-        view = self._views[index]
-        if grad is None:
-            view.zero_()
-            self._scale_state[index] = self._SCALED  # zero stays zero
-        elif grad.data_ptr() == view.data_ptr():
-            self._scale_state[index] = self._NEEDS_DIV  # gradient_as_bucket_view: already in place
-        elif self._comm_hook is None and view.numel() >= self._FUSED_SCALE_NUMEL:
-            torch.mul(grad, 1.0 / self._div_factor, out=view)
-            self._scale_state[index] = self._SCALED
-        else:
-            view.copy_(grad)
-            self._scale_state[index] = self._NEEDS_MUL
-
-    def _scale_bucket(self, b: int) -> None:
-        """Divide bucket ``b`` by the world size as torch does: x * (1/n) for copied gradients
-        (mul_out), x / n for gradients already living in the bucket (div_)."""
+    def _fill_bucket(self, b: int) -> None:
+        """Bring bucket ``b``'s gradients into its buffer, divided by the world size when no comm
+        hook runs (a hook divides itself), as torch does: x * (1/n) for copied gradients (mul_out),
+        x / n for gradients already living in the bucket (``gradient_as_bucket_view``: div_)."""
         members = self.bucket_plan.buckets[b].members
-        states = {self._scale_state[m] for m in members}
-        if states == {self._NEEDS_MUL}:
-            self._bufs[b].mul_(1.0 / self._div_factor)  # one op for a bucket of many small grads
-        elif states == {self._NEEDS_DIV}:
-            self._bufs[b].div_(self._div_factor)
-        else:
-            for m in members:
-                if self._scale_state[m] == self._NEEDS_DIV:
-                    self._views[m].div_(self._div_factor)
-                elif self._scale_state[m] == self._NEEDS_MUL:
-                    self._views[m].mul_(1.0 / self._div_factor)
+        params, views, it, scaled_in = self._params, self._views, self._iteration, self._scaled_in
+        dst, src, in_place = [], [], []
+        for m in members:
+            if scaled_in[m] == it:
+                continue  # copied and scaled in its hook
+            grad, view = params[m].grad, views[m]
+            if grad is None:
+                view.zero_()  # an unused parameter contributes zeros; zero stays zero
+            elif grad.data_ptr() == view.data_ptr():
+                in_place.append(view)
+            else:
+                dst.append(view)
+                src.append(grad)
+        scale = self._comm_hook is None
+        if dst:
+            if self._kernel_copy and len(dst) == len(members):
+                # One launch for the whole bucket, the scale fused in (hybrid.kernels).
+                kernels.gather(self.bucket_plan, b, [p.grad for p in params], out=self._bufs[b],
+                               scale=self._inv_div if scale else None, backend="cuda")
+                return
+            torch._foreach_copy_(dst, src)
+            if scale:
+                if len(dst) == len(members):
+                    self._bufs[b].mul_(self._inv_div)  # one op for a bucket of many small grads
+                else:
+                    torch._foreach_mul_(dst, self._inv_div)
+        if in_place and scale:
+            if len(in_place) == len(members):
+                self._bufs[b].div_(self._div_factor)
+            else:
+                torch._foreach_div_(in_place, self._div_factor)
 
     def _launch(self, b: int) -> None:
+        self._fill_bucket(b)
         buf = self._bufs[b]
         if self._comm_hook is None:
-            self._scale_bucket(b)
             fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
         else:
             state, hook = self._comm_hook
@@ -486,27 +531,43 @@ class DistributedDataParallel(nn.Module, Joinable):
             globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
             if self.static_graph:
                 self._static_globally_unused = globally_unused
-        for i, (p, view) in enumerate(zip(self._params, self._views)):
-            if i in globally_unused:
-                continue
-            if self.gradient_as_bucket_view:
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+        if self.gradient_as_bucket_view:
+            for i, (p, view) in enumerate(zip(self._params, self._views)):
+                if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                     p.grad = view
-            elif p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
+        else:
+            self._write_back(globally_unused)
         if self._last_order is None:
             self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
                 if self.static_graph else state.ready_order
         self._futures = []
         self._expect_hooks = False
 
+    def _write_back(self, skip: set[int]) -> None:
+        """Reduced buckets into ``param.grad`` (torch's copy_bucket_to_grad), in as few calls as
+        possible: one kernel launch per bucket on CUDA (hybrid.kernels), one foreach copy on CPU."""
+        params, views = self._params, self._views
+        dst, src = [], []
+        for b, bucket in enumerate(self.bucket_plan.buckets):
+            grads = [params[m].grad for m in bucket.members]
+            if (self._kernel_copy and not skip.intersection(bucket.members)
+                    and all(g is not None and g.is_contiguous() for g in grads)):
+                kernels.scatter(self.bucket_plan, b, self._bufs[b], [p.grad for p in params], backend="cuda")
+                continue
+            for m, g in zip(bucket.members, grads):
+                if m in skip:
+                    continue
+                if g is None:
+                    params[m].grad = views[m].clone()
+                else:
+                    dst.append(g)
+                    src.append(views[m])
+        if dst:
+            torch._foreach_copy_(dst, src)
+
     def _delay_all_reduce(self, state: ReducerState) -> ReducerState:
         """static_graph, first iteration: unused = no hook fired; then every bucket, in order."""
         unused = state.missing()
-        for i in unused:
-            self._copy_grad(i, self._params[i].grad)
         state, _ = mark_unused(state, unused)
         self._static_unused = unused
         self._pending_unused = unused
@@ -539,6 +600,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hook = (state, hook)
+        self._update_copy_policy()
 
     def _get_ddp_logging_data(self):
         return {"bucket_sizes": [b.nbytes for b in self.bucket_plan.buckets]}

@@ -95,6 +95,12 @@ HOOKS = {
                                                  min_compression_rate=0.5), psgd.powerSGD_hook),
     "batched_powerSGD_hook": lambda: (psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
                                       psgd.batched_powerSGD_hook),
+    # torch 2.13's batched hook can only run its warm-up phase: from start_powerSGD_iter on it
+    # calls _orthogonalize on the 2-D Q matrix, which asserts a 3-D batch, for every shape and rank.
+    # Started after the last step, every step is its vanilla all-reduce (and iteration counting).
+    "batched_powerSGD_hook_warmup": lambda: (
+        psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=STEPS + 1),
+        psgd.batched_powerSGD_hook),
 }
 
 # name -> (model, ddp kwargs, options)
@@ -152,8 +158,10 @@ def _train(ddp_cls, model, kwargs, opts, rank, world, model_name):
     hook = opts.get("hook")
     if hook == "record":
         ddp.register_comm_hook(None, _record_hook(log))
-    elif hook is not None:
-        ddp.register_comm_hook(*HOOKS[hook]())
+    hook_state = None
+    if hook not in (None, "record"):
+        hook_state, hook_fn = HOOKS[hook]()
+        ddp.register_comm_hook(hook_state, hook_fn)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     steps = STEPS + rank if opts.get("uneven") else STEPS
     fwd_kwargs = {"use_extra": rank == 0} if model_name == "unused" else {}
@@ -180,6 +188,7 @@ def _train(ddp_cls, model, kwargs, opts, rank, world, model_name):
             "buffers": [b.detach().clone() for b in model.buffers()],
             "membership": [membership[b] for b in sorted(membership)],
             "grads_none": grads_none,
+            "hook_iter": getattr(hook_state, "iter", None),
             "plan": ddp.bucket_plan.bucket_indices() if hasattr(ddp, "bucket_plan") else None}
 
 
@@ -216,6 +225,8 @@ def parity_worker(rank, world, port, outdir, case_names):
                 out[label] = {"error": (type(e).__name__, str(e)[:300]), "traceback": traceback.format_exc()}
             dist.barrier()
         results[name] = out
+    if world > 1:  # in this spawn too: a spawn of its own costs more than the case
+        results["join_throw"] = _join_throw(rank)
     torch.save(results, os.path.join(outdir, f"parity_rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -254,6 +265,22 @@ def errors_worker(rank, world, port, outdir):
         ddp(x, use_extra=True).sum().backward()  # ``sometimes`` was unused in iteration 1
     res["static_changed"] = _expect(static_graph_changed)
     dist.barrier()
+
+    # static_graph the other way round: ``sometimes`` used in iteration 1, unused from then on.
+    # torch notices at the forward after the first backward that leaves it out.
+    for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+        torch.manual_seed(0)
+        ddp = cls(Unused(), static_graph=True)
+        x, _ = _data(rank, 0, "unused")
+        done = []
+
+        def used_then_unused():
+            for it, extra in enumerate([True, False, False]):
+                ddp(x, use_extra=extra).sum().backward()
+                done.append(it)
+        err = _expect(used_then_unused)
+        res[f"static_used_then_unused_{label}"] = (err, len(done))
+        dist.barrier()
 
     ddp = HybridDDP(MLP())
     res["not_callable"] = _expect(lambda: ddp.register_comm_hook(None, 3))
@@ -308,3 +335,28 @@ def stalled_peer_worker(rank, world, port, outdir):
     torch.save({"error": err, "elapsed": time.monotonic() - start},
                os.path.join(outdir, f"stalled_rank{rank}.pt"))
     os._exit(0)
+
+
+def _join_throw(rank):
+    """Uneven inputs (rank r has STEPS + r batches) under ``join(throw_on_early_termination=True)``:
+    torch's DDP, then ours; what each rank raises, after how many steps, and the parameters then."""
+    res = {}
+    for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+        torch.manual_seed(0)
+        model = MLP()
+        ddp = cls(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        done = []
+
+        def run():
+            with ddp.join(throw_on_early_termination=True):
+                for step in range(STEPS + rank):
+                    x, y = _data(rank, step, "mlp")
+                    ((ddp(x) - y) ** 2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    done.append(step)
+        res[label] = {"error": _expect(run), "steps": len(done),
+                      "params": [p.detach().clone() for p in model.parameters()]}
+        dist.barrier()
+    return res

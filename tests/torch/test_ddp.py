@@ -109,16 +109,24 @@ def test_unused_parameters(parity, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_batched_powerSGD_behaves_like_torch(parity, world):
-    # torch 2.13's batched_powerSGD_hook fails its own _orthogonalize assertion on this input under
-    # torch's DDP; ours runs the same hook unchanged, so it must fail the same way (or both pass).
-    out = parity[world][0]["hook_batched_powerSGD_hook"]
-    if "error" in out["torch"]:
-        assert out["hybrid"].get("error", (None,))[0] == out["torch"]["error"][0]
-    else:
+def test_batched_powerSGD_fails_like_torch(parity, world):
+    # Past start_powerSGD_iter, torch 2.13's batched_powerSGD_hook hands the 2-D Q matrix to
+    # _orthogonalize, which asserts a 3-D batch: it fails under torch's DDP whatever the shapes or
+    # rank. Ours runs the same hook unchanged, so it must fail the same way, on every rank.
+    for res in parity[world]:
+        out = res["hook_batched_powerSGD_hook"]
+        assert out["torch"].get("error", (None,))[0] == "AssertionError", out["torch"]
+        assert out["hybrid"].get("error", (None,))[0] == "AssertionError", out["hybrid"]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_batched_powerSGD_warmup_matches_torch(parity, world):
+    # The part of torch's batched hook that works (its warm-up all-reduce): same parameters, and
+    # the hook's own iteration counter (advanced on GradBucket.is_last()) moved the same way.
+    for res in parity[world]:
+        out = res["hook_batched_powerSGD_hook_warmup"]
         _check_no_error(out)
-        for a, b in zip(out["hybrid"]["params"], out["torch"]["params"]):
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        assert out["hybrid"]["hook_iter"] == out["torch"]["hook_iter"] == _workers.STEPS
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +155,20 @@ def test_errors(errors, key, exc, pattern):
         assert re.search(pattern, res[key][1]), res[key][1]
 
 
+def test_static_graph_param_used_then_unused_raises_like_torch(errors):
+    # ``sometimes`` gets a gradient in iteration 1 only. torch raises at the forward after the first
+    # backward that leaves it out (the third forward), naming the graph change and the indices.
+    for rank, res in enumerate(errors):
+        (ref, ref_done), (ours, ours_done) = (res["static_used_then_unused_torch"],
+                                              res["static_used_then_unused_hybrid"])
+        assert ref is not None and ref[0] == "RuntimeError", ref
+        assert ours is not None and ours[0] == ref[0] and ours_done == ref_done == 2, (ours, ours_done)
+        assert "training graph has changed in this iteration" in ref[1]
+        # torch's first two lines (the reason, the indices 4 5 of sometimes.weight/bias), verbatim.
+        assert ours[1].splitlines()[:2] == ref[1].splitlines()[:2], (ours[1], ref[1])
+        assert ref[1].splitlines()[1].endswith(": 4 5")
+
+
 def test_unused_error_names_the_parameters(errors):
     msg = errors[0]["unused"][1]
     assert "never.weight" in msg and "sometimes.weight" in msg and "a.weight" not in msg
@@ -155,6 +177,22 @@ def test_unused_error_names_the_parameters(errors):
 def test_state_dict_keys_like_torch(errors):
     assert errors[0]["state_dict_keys"] == errors[0]["torch_state_dict_keys"]
     assert all(k.startswith("module.") for k in errors[0]["state_dict_keys"])
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_join_throw_on_early_termination_like_torch(parity, world):
+    # Rank r has STEPS + r batches. With throw_on_early_termination=True, torch's Join raises on
+    # every rank once rank 0 runs out: "Rank 0 exhausted all inputs." on rank 0, "Detected at least
+    # one rank that exhausted inputs..." on the others, after the same number of completed steps.
+    for rank in range(world):
+        ref, ours = parity[world][rank]["join_throw"]["torch"], parity[world][rank]["join_throw"]["hybrid"]
+        assert ref["error"] is not None and ref["error"][0] == "RuntimeError", ref["error"]
+        assert ours["error"] == ref["error"]
+        assert ours["steps"] == ref["steps"] == _workers.STEPS
+        expected = "Rank 0 exhausted all inputs." if rank == 0 else "exhausted inputs. Throwing across all ranks"
+        assert expected in ours["error"][1]
+        for a, b in zip(ours["params"], ref["params"]):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 def test_dead_peer_raises_quickly():
@@ -197,3 +235,31 @@ def test_stalled_peer_respects_process_group_timeout():
     res = torch.load(os.path.join(outdir, "stalled_rank0.pt"))
     assert res["error"] is not None, res
     assert 1.5 < res["elapsed"] < 5.0, res  # the 2 s timeout, not the peer's 6 s sleep
+
+
+@pytest.mark.parametrize("n, cap_bytes, seed", [(5, 1024, 0), (300, 4096, 1), (2000, 16384, 2), (64, 1 << 20, 3)])
+def test_reducer_state_matches_set_reference(n, cap_bytes, seed):
+    # The bitmask / cons-list state against a plain reference kept with a set and a list: the
+    # launches after every event (the longest prefix of buckets whose members are all ready),
+    # the ready order, what is missing halfway, and a second mark of an already-ready tensor.
+    import random
+    rng = random.Random(seed)
+    plan = plan_buckets([TensorSpec(f"p{i}", (rng.randint(1, 64),), "float32") for i in range(n)],
+                        bucket_cap_bytes=cap_bytes, first_bucket_cap_bytes=cap_bytes)
+    order = list(range(n))
+    rng.shuffle(order)
+    state, seen, launched = start_iteration(plan), set(), 0
+    for k, t in enumerate(order):
+        state, launch = mark_ready(state, t)
+        seen.add(t)
+        end = launched
+        while end < plan.num_buckets and set(plan.buckets[end].members) <= seen:
+            end += 1
+        assert launch == tuple(range(launched, end)), (k, t)
+        launched = end
+        if k == n // 2:
+            assert state.missing() == tuple(sorted(set(range(n)) - seen))
+            assert state.is_ready(t) and state.started and state.num_ready == k + 1
+            with pytest.raises(RuntimeError, match="only once"):
+                mark_ready(state, order[0])
+    assert state.finished and state.ready_order == tuple(order) and state.missing() == ()
