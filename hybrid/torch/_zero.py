@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
 from hybrid.core import ParamPartition, TensorSpec, canonical_dtype, partition_params, plan_buckets
@@ -29,9 +30,10 @@ logger = logging.getLogger(__name__)
 _ONE_BUCKET_PER_KEY = (sys.maxsize,)
 
 
-def _spec(index: int, param: torch.Tensor) -> TensorSpec:
+def _spec(index: int, param: torch.Tensor, *, with_device: bool = True) -> TensorSpec:
     # Names only need to be unique; the global index keeps them stable across ranks.
-    return TensorSpec(f"param{index}", tuple(param.shape), canonical_dtype(param.dtype), str(param.device))
+    device = str(param.device) if with_device else "cpu"
+    return TensorSpec(f"param{index}", tuple(param.shape), canonical_dtype(param.dtype), device)
 
 
 def _copy_to_device(value: Any, device: torch.device) -> Any:
@@ -63,14 +65,22 @@ def _check_params(params: Any) -> tuple[list, list[torch.Tensor]]:
         return items, items
     if not all(isinstance(p, dict) for p in items):
         raise TypeError("`params` argument should be an iterable of Tensors or dicts")
-    all_params = []
+    all_params, groups = [], []
     for group in items:
         if "params" not in group:
             raise ValueError("Each parameter group passed-in via `params` must "
                              "have a 'params' key mapping to the parameters in the group")
         group_params = group["params"]
-        all_params.extend([group_params] if isinstance(group_params, torch.Tensor) else group_params)
-    return items, all_params
+        if isinstance(group_params, torch.Tensor):
+            group_params = [group_params]
+        elif not isinstance(group_params, set):  # a set is left for torch's TypeError
+            # Materialise generators (``model.parameters()``): read twice, they would be empty
+            # the second time (torch's own ZeroRedundancyOptimizer drops such a group's params).
+            group_params = list(group_params)
+            group = {**group, "params": group_params}
+        all_params.extend(group_params)
+        groups.append(group)
+    return groups, all_params
 
 
 def _check_same_dense_type(params: list[torch.Tensor]) -> None:
@@ -145,7 +155,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise NotImplementedError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not implemented yet in hybrid: "
                 "it needs hybrid.torch.DistributedDataParallel's ZeRO hook")
-        from torch.distributed.optim.utils import functional_optim_map
         if optimizer_class in functional_optim_map.values():
             raise ValueError(f"Passing in a functional optimizer {optimizer_class} "
                              "when `overlap_with_ddp=False`")
@@ -161,9 +170,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank: int = dist.get_rank(self.process_group)
         self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
         self._default_device = all_params[0].device
-        self._overlap_with_ddp = False
-        self._optim_defaults = defaults
-        self._optim_constructor = optimizer_class
+        self._check_ranks_agree()
         # Passing groups (not a flat list) lets a rank own nothing without tripping torch's
         # empty-parameter-list check, exactly as torch's ZeroRedundancyOptimizer does.
         self.optim: Optimizer = optimizer_class(self._rank_param_groups(self.rank), **defaults)
@@ -192,10 +199,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for g in self.param_groups:
                 groups.append(range(start, start + len(g["params"])))
                 start += len(g["params"])
-            specs = [_spec(i, p) for i, p in enumerate(params)]
+            # Ownership does not depend on devices; leaving them out keeps the fingerprint equal
+            # on ranks whose parameters sit on their own GPU ("cuda:0", "cuda:1", ...).
+            specs = [_spec(i, p, with_device=False) for i, p in enumerate(params)]
             self._partition_cache = partition_params(specs, dist.get_world_size(self.process_group),
                                                      groups=groups)
         return self._partition_cache
+
+    def _check_ranks_agree(self) -> None:
+        """Raise ValueError on every rank unless all ranks planned the same partition.
+
+        Ranks with different parameters would otherwise pair mismatched broadcasts: a hang or
+        silently corrupted parameters. One all-reduce of the plan's fingerprint (MAX of ``v`` and
+        ``-v`` gives the max and the min) tells all ranks at once.
+        """
+        mine = int(self.partition.fingerprint(), 16) >> 1  # 63 bits: -v fits in an int64
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=self._default_device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
+        if both[0].item() != mine or -both[1].item() != mine:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: rank {self.rank} planned partition "
+                f"{self.partition.fingerprint()} over {len(self._params)} parameters, but other "
+                "ranks of the process group planned a different one; pass the same parameters "
+                "(shapes, dtypes, groups, order) on every rank")
 
     def _rank_param_groups(self, rank: int) -> list[dict[str, Any]]:
         """Rank ``rank``'s share as parameter groups: every group, each with only owned params."""
@@ -213,8 +239,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         after = self.partition
         # Loads carry over group to group, so earlier groups keep their owners and the local
         # optimizer's existing state stays valid.
+        self._check_ranks_agree()
         assert before is None or after.per_rank[self.rank][:-1] == before.per_rank[self.rank]
         self.optim.add_param_group(self._rank_param_groups(self.rank)[-1])
+        self._is_trainable_mask = self._trainable_mask()
         self._build_param_buckets()
 
     # -- step -----------------------------------------------------------------------------------

@@ -298,6 +298,62 @@ def subgroup(rank, world_size, *, bucket_view):
         assert_state_dicts(opts["hybrid"].state_dict(), opts["torch"].state_dict(), "subgroup state dict", exact=True)
 
 
+def ranks_disagree(rank, world_size):
+    """Different parameters on different ranks: a ValueError on every rank, not a hang."""
+    same = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 3))]
+    ZeroRedundancyOptimizer(same, torch.optim.SGD, lr=0.1)  # agreeing ranks: no error
+    differ = [torch.nn.Parameter(torch.zeros(4 + rank)), torch.nn.Parameter(torch.zeros(2, 3))]
+    try:
+        ZeroRedundancyOptimizer(differ, torch.optim.SGD, lr=0.1)
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    if world_size == 1:
+        assert raised is None, raised
+    else:
+        assert raised is not None and "different" in raised, raised
+    # A group added on one rank only is caught too.
+    opt = ZeroRedundancyOptimizer(same, torch.optim.SGD, lr=0.1)
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3 if rank == 0 else 5))]})
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    assert (raised is None) == (world_size == 1), raised
+
+
+class SGDWithStepKwarg(torch.optim.SGD):
+    """An optimizer whose ``step`` takes an extra keyword (ZeRO must forward it untouched)."""
+
+    def step(self, closure=None, *, grad_scale: float = 1.0):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
+        return super().step(closure)
+
+
+def step_kwargs(rank, world_size):
+    base = make_model()
+    models = {k: copy.deepcopy(base) for k in ("hybrid", "torch")}
+    ddps = {k: DDP(m) for k, m in models.items()}
+    opts = {"hybrid": ZeroRedundancyOptimizer(models["hybrid"].parameters(), SGDWithStepKwarg, lr=0.1),
+            "torch": TorchZero(models["torch"].parameters(), SGDWithStepKwarg, lr=0.1)}
+    before = [p.detach().clone() for p in models["hybrid"].parameters()]
+    for k in models:
+        opts[k].zero_grad()
+        ddps[k](batch(rank, 0)).pow(2).mean().backward()
+        opts[k].step(grad_scale=0.0 if k == "hybrid" else 1.0)
+    # grad_scale=0 reached the local optimizer: nothing moved. Then the same call as torch.
+    assert all(torch.equal(p, q) for p, q in zip(models["hybrid"].parameters(), before)), "kwarg lost"
+    models["hybrid"].load_state_dict(models["torch"].state_dict())
+    for k in models:
+        opts[k].zero_grad()
+        ddps[k](batch(rank, 1)).pow(2).mean().backward()
+        opts[k].step(grad_scale=0.5)
+    assert_params(models["hybrid"], models["torch"], "step(grad_scale=0.5)", exact=True)
+
+
 class _GradSetter(Joinable):
     """After joining, a rank sets the ground-truth gradients before the ZeRO hook steps."""
 
@@ -409,6 +465,8 @@ def _table() -> dict:
                                                           maximize=True)
     cases["parity-sgd_momentum-closure"] = functools.partial(parity, optim="sgd_momentum", closure=True)
     cases["ownership"] = ownership
+    cases["ranks_disagree"] = ranks_disagree
+    cases["step_kwargs"] = step_kwargs
     return cases
 
 
