@@ -4,5 +4,6 @@ from hybrid.torch._ddp import DistributedDataParallel
 from hybrid.torch._ddp import GradBucket
 from hybrid.torch._ddp import specs
 from hybrid.torch._zero import ZeroRedundancyOptimizer
+from hybrid.torch._zero2 import ZeRO2
 
-__all__ = ["DistributedDataParallel", "GradBucket", "ZeroRedundancyOptimizer", "specs"]
+__all__ = ["DistributedDataParallel", "GradBucket", "ZeRO2", "ZeroRedundancyOptimizer", "specs"]

@@ -337,6 +337,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     _last_order = None
     _expect_hooks = False
+    _comm_hook_owns_grads = False  # set by hybrid.torch.ZeRO2, whose hook keeps the gradients
 
     def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool):
         # Inside a Join context every rank takes part in this all-reduce, so joined ranks learn
@@ -487,8 +488,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.static_graph:
                 self._static_globally_unused = globally_unused
         for i, (p, view) in enumerate(zip(self._params, self._views)):
-            if i in globally_unused:
-                continue
+            if i in globally_unused or self._comm_hook_owns_grads:
+                continue  # a ZeRO-2 hook keeps only its gradient slice: .grad stays None
             if self.gradient_as_bucket_view:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view

@@ -1,0 +1,154 @@
+"""Multi-process cases: hybrid's DDP + ZeRO2 against torch's DDP + the plain optimizer.
+
+Tolerances: rtol 1.3e-6 / atol 1e-6 (torch's float32 defaults for ``assert_close``). Both sides
+run the same elementwise optimizer math in float32; what differs is the reduction (a reduce-scatter
+of ``grad / world_size`` against DDP's all-reduce of ``grad * (1 / world_size)``, either of which
+may round the last bit differently) and the grouping of elements into foreach kernels.
+Parameters are compared after every step, from the first: ZeRO2 skips no iteration.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from hybrid.torch import DistributedDataParallel, ZeRO2
+from tests.torch_zero._cases import OPTIMIZERS, batch, make_model
+
+RTOL, ATOL = 1.3e-6, 1e-6
+NUM_STEPS = 4
+STATE_COPIES = {"adam": 2, "adamw": 2, "sgd_momentum": 1}
+
+# DDP options: the bucket layouts differ (one bucket; two after the rebuild; three from the start).
+DDP_OPTIONS = {
+    "default": {},
+    "bucket_view": {"gradient_as_bucket_view": True},
+    "static_graph": {"static_graph": True},
+    "two_buckets": {"bucket_cap_mb": 0.0002},
+    "three_buckets_view": {"bucket_cap_mb_list": [0.0001, 0.0002], "gradient_as_bucket_view": True},
+}
+
+
+class Pair:
+    """The same model under hybrid DDP + ZeRO2 and under torch DDP + the plain optimizer."""
+
+    def __init__(self, optim: str, ddp_options: dict, **extra):
+        cls, kwargs = OPTIMIZERS[optim]
+        kwargs = {**kwargs, **extra}
+        base = make_model()
+        self.model, self.ref_model = copy.deepcopy(base), copy.deepcopy(base)
+        self.ddp = DistributedDataParallel(self.model, **ddp_options)
+        self.ref_ddp = TorchDDP(self.ref_model, **ddp_options)
+        self.opt = ZeRO2(self.ddp, cls, **kwargs)
+        self.ref_opt = cls(self.ref_model.parameters(), **kwargs)
+        self.copies = STATE_COPIES[optim]
+
+    def backward(self, x):
+        self.ddp(x).pow(2).mean().backward()
+        self.ref_ddp(x).pow(2).mean().backward()
+
+    def step(self):
+        self.opt.step()
+        self.ref_opt.step()
+        self.opt.zero_grad()
+        self.ref_opt.zero_grad()
+
+    def check(self, what: str):
+        for (name, p), q in zip(self.model.named_parameters(), self.ref_model.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"{what}: {name}")
+
+    def check_sharded(self, world_size: int, what: str):
+        """Between backward and step: no full gradients, only this rank's slices."""
+        assert all(p.grad is None for p in self.model.parameters()), f"{what}: a full .grad survived"
+        padded = sum(-(-b.length // world_size) for b in self.ddp.bucket_plan.buckets)
+        assert self.opt.grad_numel() == padded, f"{what}: {self.opt.grad_numel()} gradient elements != {padded}"
+
+    def check_state(self, world_size: int, what: str):
+        padded = sum(-(-b.length // world_size) for b in self.ddp.bucket_plan.buckets)
+        assert self.opt.state_numel() == self.copies * padded, \
+            f"{what}: {self.opt.state_numel()} state elements != {self.copies} x {padded}"
+
+
+def parity(rank: int, world_size: int, *, optim: str, ddp: str) -> None:
+    pair = Pair(optim, DDP_OPTIONS[ddp])
+    for step in range(NUM_STEPS):
+        pair.backward(batch(rank, step))
+        pair.check_sharded(world_size, f"step {step}")
+        pair.step()
+        pair.check(f"step {step}")
+        pair.check_state(world_size, f"step {step}")
+
+
+def accumulate(rank: int, world_size: int, *, ddp: str) -> None:
+    """Two backward passes per step without zero_grad: the slices add up, as .grad does.
+
+    The first step's second backward already runs on DDP's rebuilt buckets: the accumulated
+    slices are re-cut to the new layout.
+    """
+    pair = Pair("adam", DDP_OPTIONS[ddp])
+    for step in range(3):
+        pair.backward(batch(rank, 2 * step))
+        pair.backward(batch(rank, 2 * step + 1))
+        pair.step()
+        pair.check(f"step {step}")
+
+
+def no_sync(rank: int, world_size: int) -> None:
+    """A local backward under no_sync(), then a synced one: the sum of both is reduced."""
+    pair = Pair("adamw", {})
+    for step in range(3):
+        with pair.ddp.no_sync(), pair.ref_ddp.no_sync():
+            pair.backward(batch(rank, 2 * step))
+        pair.backward(batch(rank, 2 * step + 1))
+        pair.step()
+        pair.check(f"step {step}")
+
+
+def closure_and_scheduler(rank: int, world_size: int) -> None:
+    """step(closure) returns the loss; a StepLR on the ZeRO2 optimizer changes the inner lr."""
+    pair = Pair("sgd_momentum", {"bucket_cap_mb": 0.0002})
+    sched = torch.optim.lr_scheduler.StepLR(pair.opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(pair.ref_opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        x = batch(rank, step)
+
+        def loss_fn(ddp=pair.ddp):
+            loss = ddp(x).pow(2).mean()
+            loss.backward()
+            return loss
+        loss = pair.opt.step(loss_fn)
+        ref_loss = pair.ref_ddp(x).pow(2).mean()
+        ref_loss.backward()
+        pair.ref_opt.step()
+        pair.opt.zero_grad()
+        pair.ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        sched.step()
+        ref_sched.step()
+        assert pair.opt.optim.param_groups[0]["lr"] == pair.ref_opt.param_groups[0]["lr"]
+        pair.check(f"step {step}")
+
+
+def ranks_agree(rank: int, world_size: int) -> None:
+    """After a step every rank holds the same parameters (the all-gather really ran)."""
+    pair = Pair("adam", {"bucket_cap_mb": 0.0002})
+    for step in range(2):
+        pair.backward(batch(rank, step))
+        pair.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in pair.model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(everyone, flat)
+    for r, other in enumerate(everyone):
+        assert torch.equal(other, flat), f"rank {r}'s parameters differ from rank {rank}'s"
+
+
+CASES = {f"parity[{o}-{d}]": functools.partial(parity, optim=o, ddp=d)
+         for o in OPTIMIZERS for d in DDP_OPTIONS}
+CASES.update({f"accumulate[{d}]": functools.partial(accumulate, ddp=d) for d in ("default", "three_buckets_view")})
+CASES["no_sync"] = no_sync
+CASES["closure_and_scheduler"] = closure_and_scheduler
+CASES["ranks_agree"] = ranks_agree
