@@ -1,0 +1,162 @@
+"""``python -m hybrid bench zero``: ZeRO-1 and ZeRO-2 memory per rank, and step time, vs DDP + Adam.
+
+Two gloo processes on this machine, one MLP, Adam. Variants, each a full training step
+(forward, backward, gradient reduction, optimizer step, zero_grad), interleaved A, B, C, ...
+so drift hits all of them alike:
+
+- ``ddp_adam``:     torch DDP + torch.optim.Adam over all parameters (the unsharded reference);
+- ``torch_zero1``:  torch DDP + torch's ZeroRedundancyOptimizer(Adam);
+- ``hybrid_zero1``: hybrid DDP + hybrid's ZeroRedundancyOptimizer(Adam) (greedy whole-tensor
+  partition, parameters broadcast by their owners);
+- ``hybrid_zero2``: hybrid DDP + hybrid's ZeRO2(Adam) (buckets reduce-scattered, flat slices
+  updated, parameters all-gathered).
+
+Memory is counted from the live tensors of rank 0 and rank 1 (the larger is printed): optimizer
+state is every tensor in the optimizer's state; gradients are what a rank keeps for the optimizer
+between backward and step (``.grad`` for DDP and ZeRO-1, the gradient slices for ZeRO-2).
+DDP's own communication buckets (full size in every variant, as in torch) are listed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from hybrid._table import format_table, human_bytes
+
+WORLD_SIZE = 2
+VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2")
+
+
+def _mlp(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _state_bytes(opt) -> int:
+    state = opt.optim.state if hasattr(opt, "optim") else opt.state
+    return sum(v.nbytes for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def _grad_bytes(model: nn.Module, opt) -> int:
+    if hasattr(opt, "grad_numel"):  # ZeRO2 keeps float32 slices; .grad is None
+        return 4 * opt.grad_numel()
+    return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+
+
+def _build(name: str, width: int, depth: int):
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = _mlp(width, depth)
+    lr = 1e-3
+    if name == "ddp_adam":
+        ddp = TorchDDP(model)
+        return model, ddp, torch.optim.Adam(model.parameters(), lr=lr)
+    if name == "torch_zero1":
+        ddp = TorchDDP(model)
+        return model, ddp, TorchZero(model.parameters(), torch.optim.Adam, lr=lr)
+    if name == "hybrid_zero1":
+        ddp = DistributedDataParallel(model)
+        return model, ddp, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=lr)
+    if name == "hybrid_zero2":
+        ddp = DistributedDataParallel(model)
+        return model, ddp, ZeRO2(ddp, torch.optim.Adam, lr=lr)
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def _worker(rank, world, port, outdir, width, depth, batch, reps, warmup):
+    warnings.simplefilter("ignore", FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    runs = {name: _build(name, width, depth) for name in VARIANTS}
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+    times = {name: [] for name in VARIANTS}
+    memory = {}
+    for it in range(warmup + reps):
+        for name, (model, ddp, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            ddp(x).pow(2).mean().backward()
+            grad_bytes = _grad_bytes(model, opt) if it == warmup else None  # not timed: cheap sums
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            if it >= warmup:
+                times[name].append(dt)
+            if it == warmup:
+                buckets = sum(b.numel() * b.element_size() for b in ddp._bufs) if hasattr(ddp, "_bufs") else None
+                memory[name] = (_state_bytes(opt), grad_bytes, buckets)
+    params = list(runs["ddp_adam"][0].parameters())
+    numels = [p.numel() for p in params]
+    greedy = runs["hybrid_zero1"][2].partition.numel_per_rank()
+    result = {"rank": rank, "memory": memory, "times": {k: statistics.median(v) for k, v in times.items()},
+              "numel": sum(numels), "num_tensors": len(numels), "greedy_numel_per_rank": greedy,
+              "zero2_buckets": runs["hybrid_zero2"][1].bucket_plan.num_buckets}
+    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid bench zero", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15)")
+    parser.add_argument("--width", type=int, default=None, help="MLP width (default 1536)")
+    parser.add_argument("--depth", type=int, default=None, help="MLP depth (default 4)")
+    args = parser.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 15)
+    width = args.width or (256 if args.quick else 1536)
+    depth = args.depth or (3 if args.quick else 4)
+    batch = 32
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero_")
+    mp.spawn(_worker, args=(WORLD_SIZE, port, outdir, width, depth, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
+    results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD_SIZE)]
+    r0 = results[0]
+    n = r0["numel"]
+    print(f"MLP {depth} x Linear({width}, {width}): {n} parameters in {r0['num_tensors']} tensors (float32), "
+          f"Adam, world size {WORLD_SIZE}, gloo; ZeRO-2 over {r0['zero2_buckets']} DDP buckets")
+
+    print("\nmemory per rank (the larger of the ranks) / unsharded (ddp_adam)")
+    ref_state = max(r["memory"]["ddp_adam"][0] for r in results)
+    ref_grad = max(r["memory"]["ddp_adam"][1] for r in results)
+    rows = []
+    for name in VARIANTS:
+        state = max(r["memory"][name][0] for r in results)
+        grad = max(r["memory"][name][1] for r in results)
+        buckets = r0["memory"][name][2]
+        rows.append([name, human_bytes(state), round(state / ref_state, 4), human_bytes(grad),
+                     round(grad / ref_grad, 4), human_bytes(buckets) if buckets is not None else "n/a (C++)"])
+    print(format_table(["variant", "opt state", "state/unsharded", "grads kept", "grads/unsharded",
+                        "DDP buckets"], rows))
+    greedy = r0["greedy_numel_per_rank"]
+    print(f"target for the flat partition (ZeRO-2): <= {1 / WORLD_SIZE * 1.01:.4f}; "
+          f"greedy partition (ZeRO-1) elements per rank {greedy}: "
+          f"imbalance max/mean = {max(greedy) / (sum(greedy) / len(greedy)):.4f}")
+
+    t = r0["times"]
+    print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
+    rows = [[name, round(t[name] * 1e3, 2), round(t[name] / t["ddp_adam"], 3),
+             round(t[name] / t["torch_zero1"], 3)] for name in VARIANTS]
+    print(format_table(["variant", "ms", "/ ddp_adam", "/ torch_zero1"], rows))
+    return 0
