@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from hybrid.torch import DistributedDataParallel, ZeRO2
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from hybrid.torch import (DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer, hook_with_zero_step,
+                          hook_with_zero_step_interleaved)
 from tests.torch_zero._cases import OPTIMIZERS, batch, make_model
 
 RTOL, ATOL = 1.3e-6, 1e-6
@@ -30,6 +33,8 @@ DDP_OPTIONS = {
     "static_graph": {"static_graph": True},
     "two_buckets": {"bucket_cap_mb": 0.0002},
     "three_buckets_view": {"bucket_cap_mb_list": [0.0001, 0.0002], "gradient_as_bucket_view": True},
+    "three_buckets_static": {"bucket_cap_mb_list": [0.0001, 0.0002], "static_graph": True},
+    "four_buckets": {"bucket_cap_mb_list": [0.00005, 0.0001]},
 }
 
 
@@ -147,8 +152,59 @@ def ranks_agree(rank: int, world_size: int) -> None:
 
 
 CASES = {f"parity[{o}-{d}]": functools.partial(parity, optim=o, ddp=d)
-         for o in OPTIMIZERS for d in DDP_OPTIONS}
+         for o in OPTIMIZERS for d in DDP_OPTIONS if d not in ("three_buckets_static", "four_buckets")}
+CASES["parity[adam-three_buckets_static]"] = functools.partial(parity, optim="adam", ddp="three_buckets_static")
 CASES.update({f"accumulate[{d}]": functools.partial(accumulate, ddp=d) for d in ("default", "three_buckets_view")})
 CASES["no_sync"] = no_sync
 CASES["closure_and_scheduler"] = closure_and_scheduler
 CASES["ranks_agree"] = ranks_agree
+
+
+# ---- the ZeRO step overlapped with backward (hook_with_zero_step / _interleaved) ----------------
+
+HOOKS = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
+# shard_buckets needs buckets that cut into at most world_size runs (the core raises otherwise,
+# where torch would silently drop a run): these layouts do, before and after DDP's rebuild.
+OVERLAP_DDP_OPTIONS = {False: ("default", "bucket_view", "static_graph", "three_buckets_view"),
+                       True: ("three_buckets_view", "three_buckets_static", "four_buckets")}
+
+
+def overlap(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: str, optim: str = "adam") -> None:
+    """Parameters after every backward equal DDP + optimizer.step(), from the first iteration on.
+
+    (torch's own hooks skip the first two or three updates and refuse gloo.)
+    """
+    cls, kwargs = OPTIMIZERS[optim]
+    base = make_model()
+    model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
+    ddp_module = DistributedDataParallel(model, **DDP_OPTIONS[ddp])
+    ref_ddp = TorchDDP(ref_model, **DDP_OPTIONS[ddp])
+    zero = ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **kwargs)
+    ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero, shard_buckets=shard_buckets))
+    ref_opt = cls(ref_model.parameters(), **kwargs)
+    for step in range(NUM_STEPS):
+        x = batch(rank, step)
+        ddp_module(x).pow(2).mean().backward()  # the step runs inside
+        ref_ddp(x).pow(2).mean().backward()
+        ref_opt.step()
+        zero.zero_grad()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"step {step}: {name}")
+
+
+def overlap_step_is_a_no_op(rank: int, world_size: int) -> None:
+    """With overlap_with_ddp=True, ZeroRedundancyOptimizer.step() changes nothing (torch's contract)."""
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    model(batch(rank, 0)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    assert zero.step() is None
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}]": functools.partial(overlap, hook=h, shard_buckets=s, ddp=d)
+              for h in HOOKS for s in (False, True) for d in OVERLAP_DDP_OPTIONS[s]})
+CASES.update({f"overlap[{h}-whole-two_buckets-sgd_momentum]": functools.partial(
+    overlap, hook=h, shard_buckets=False, ddp="two_buckets", optim="sgd_momentum") for h in HOOKS})
+CASES["overlap_step_is_a_no_op"] = overlap_step_is_a_no_op

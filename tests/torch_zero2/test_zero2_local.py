@@ -7,12 +7,17 @@ import torch
 import torch.distributed as dist
 
 import hybrid.torch._zero2
-from hybrid.torch import DistributedDataParallel, ZeRO2
+import hybrid.torch._zero_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+import hybrid.torch
+from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
 from tests.torch_zero._harness import free_port
 
 
-def test_module_doctests():
-    result = doctest.testmod(hybrid.torch._zero2)
+@pytest.mark.parametrize("module", [hybrid.torch._zero2, hybrid.torch._zero_hooks])
+def test_module_doctests(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -42,3 +47,16 @@ def test_one_hook_per_ddp(world_of_one):
     ZeRO2(ddp, torch.optim.SGD, lr=0.1)
     with pytest.raises(RuntimeError, match="can only be called once"):
         ZeRO2(ddp, torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("hook", ["hook_with_zero_step", "hook_with_zero_step_interleaved"])
+@pytest.mark.parametrize("make_zero, error, match", [
+    (lambda m: ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1), ValueError, "overlap_with_ddp=True"),
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), TypeError, "got SGD"),
+    (lambda m: ZeroRedundancyOptimizer([{"params": [m.weight]}, {"params": [m.bias]}], torch.optim.SGD,
+                                       overlap_with_ddp=True, lr=0.1), ValueError, "single parameter group, got 2"),
+])
+def test_overlap_hook_errors(world_of_one, hook, make_zero, error, match):
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
+    with pytest.raises(error, match=match):
+        getattr(hybrid.torch, hook)(allreduce_hook, ddp, make_zero(ddp.module))
