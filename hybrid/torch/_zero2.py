@@ -88,6 +88,11 @@ class ZeRO2(Optimizer):
         self._grads: list[torch.Tensor | None] = []
         self._padded: list[torch.Tensor | None] = []
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
+        # gloo's reduce-scatter and all-gather are 2-5x slower than its all-reduce and broadcast
+        # (measured on 2 ranks, 36 MiB: 136 ms / 107 ms vs 57 ms / 23 ms), so on gloo gradients are
+        # all-reduced and sliced, parameters broadcast slice by slice; elsewhere (NCCL) the flat
+        # collectives. The memory kept is the same: only the slices outlive the hook.
+        self._flat_collectives = dist.get_backend(self.process_group) != dist.Backend.GLOO
         self._set_param_plan(module.bucket_plan)
         self.optim: Optimizer = optimizer_class(list(self._masters), **defaults)
         Optimizer.__init__(self, list(self._masters), self.optim.defaults)
@@ -168,6 +173,8 @@ class ZeRO2(Optimizer):
         if plan is not self._grad_plan:
             self._set_grad_plan(plan)
         b, buf = bucket.index(), bucket.buffer()
+        if not self._flat_collectives:
+            return self._all_reduce_and_slice(b, bucket)
         padded = self._grad_shards.padded_length(b)
         if padded == buf.numel():
             src = buf
@@ -192,6 +199,26 @@ class ZeRO2(Optimizer):
             else:
                 self._grads[b].add_(g)  # accumulation across backward passes, as .grad does
             return buf  # DDP's own buffer: DDP copies nothing back
+        return fut.then(keep_slice)
+
+    def _all_reduce_and_slice(self, b: int, bucket: GradBucket) -> torch.futures.Future:
+        """gloo: all-reduce the bucket, keep this rank's slice (gloo's reduce-scatter is slower)."""
+        buf = bucket.buffer()
+        buf.div_(self.world_size)
+        fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
+        for p in bucket.parameters():
+            p.grad = None
+        start, stop = self._grad_shards.shard_range(b, self.rank)
+
+        def keep_slice(_):
+            g = torch.zeros(stop - start, dtype=torch.float32, device=buf.device)
+            valid = buf[start:min(stop, buf.numel())]
+            g[:valid.numel()] = valid
+            if self._grads[b] is None:
+                self._grads[b] = g
+            else:
+                self._grads[b].add_(g)
+            return buf
         return fut.then(keep_slice)
 
     def _future_of(self, work) -> torch.futures.Future:
@@ -262,10 +289,18 @@ class ZeRO2(Optimizer):
         for b, master in enumerate(self._masters):
             dtype = self._params[self._plan.buckets[b].members[0]].dtype
             full = torch.empty(self._shards.padded_length(b), dtype=dtype, device=master.device)
-            works.append(_all_gather(full, master.to(dtype), group=self.process_group, async_op=True))
+            if self._flat_collectives:
+                works.append(_all_gather(full, master.to(dtype), group=self.process_group, async_op=True))
+            else:
+                # gloo: one broadcast per rank straight into its slice beats gloo's all-gather.
+                size = self._shards.shard_sizes[b]
+                full[self.rank * size:(self.rank + 1) * size].copy_(master)
+                works += [dist.broadcast(full[r * size:(r + 1) * size], src=dist.get_global_rank(self.process_group, r),
+                                         group=self.process_group, async_op=True) for r in range(self.world_size)]
             fulls.append(full)
-        for b, (work, full) in enumerate(zip(works, fulls)):
+        for work in works:
             work.wait()
+        for b, full in enumerate(fulls):
             bucket = self._plan.buckets[b]
             for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
                 self._params[m].copy_(full[o:o + n].view_as(self._params[m]))

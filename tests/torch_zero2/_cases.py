@@ -41,7 +41,7 @@ DDP_OPTIONS = {
 class Pair:
     """The same model under hybrid DDP + ZeRO2 and under torch DDP + the plain optimizer."""
 
-    def __init__(self, optim: str, ddp_options: dict, **extra):
+    def __init__(self, optim: str, ddp_options: dict, *, flat: bool = False, **extra):
         cls, kwargs = OPTIMIZERS[optim]
         kwargs = {**kwargs, **extra}
         base = make_model()
@@ -49,6 +49,9 @@ class Pair:
         self.ddp = DistributedDataParallel(self.model, **ddp_options)
         self.ref_ddp = TorchDDP(self.ref_model, **ddp_options)
         self.opt = ZeRO2(self.ddp, cls, **kwargs)
+        # On gloo ZeRO2 all-reduces and slices; flat=True forces the reduce-scatter/all-gather
+        # path it takes on other backends, so both are checked here.
+        self.opt._flat_collectives = flat
         self.ref_opt = cls(self.ref_model.parameters(), **kwargs)
         self.copies = STATE_COPIES[optim]
 
@@ -78,8 +81,8 @@ class Pair:
             f"{what}: {self.opt.state_numel()} state elements != {self.copies} x {padded}"
 
 
-def parity(rank: int, world_size: int, *, optim: str, ddp: str) -> None:
-    pair = Pair(optim, DDP_OPTIONS[ddp])
+def parity(rank: int, world_size: int, *, optim: str, ddp: str, flat: bool = False) -> None:
+    pair = Pair(optim, DDP_OPTIONS[ddp], flat=flat)
     for step in range(NUM_STEPS):
         pair.backward(batch(rank, step))
         pair.check_sharded(world_size, f"step {step}")
@@ -88,13 +91,13 @@ def parity(rank: int, world_size: int, *, optim: str, ddp: str) -> None:
         pair.check_state(world_size, f"step {step}")
 
 
-def accumulate(rank: int, world_size: int, *, ddp: str) -> None:
+def accumulate(rank: int, world_size: int, *, ddp: str, flat: bool = False) -> None:
     """Two backward passes per step without zero_grad: the slices add up, as .grad does.
 
     The first step's second backward already runs on DDP's rebuilt buckets: the accumulated
     slices are re-cut to the new layout.
     """
-    pair = Pair("adam", DDP_OPTIONS[ddp])
+    pair = Pair("adam", DDP_OPTIONS[ddp], flat=flat)
     for step in range(3):
         pair.backward(batch(rank, 2 * step))
         pair.backward(batch(rank, 2 * step + 1))
@@ -154,6 +157,10 @@ def ranks_agree(rank: int, world_size: int) -> None:
 CASES = {f"parity[{o}-{d}]": functools.partial(parity, optim=o, ddp=d)
          for o in OPTIMIZERS for d in DDP_OPTIONS if d not in ("three_buckets_static", "four_buckets")}
 CASES["parity[adam-three_buckets_static]"] = functools.partial(parity, optim="adam", ddp="three_buckets_static")
+CASES.update({f"parity[adam-{d}-flat_collectives]": functools.partial(parity, optim="adam", ddp=d, flat=True)
+              for d in ("default", "static_graph", "two_buckets", "three_buckets_view")})
+CASES["accumulate[three_buckets_view-flat_collectives]"] = functools.partial(
+    accumulate, ddp="three_buckets_view", flat=True)
 CASES.update({f"accumulate[{d}]": functools.partial(accumulate, ddp=d) for d in ("default", "three_buckets_view")})
 CASES["no_sync"] = no_sync
 CASES["closure_and_scheduler"] = closure_and_scheduler
