@@ -8,8 +8,11 @@ so drift hits all of them alike:
 - ``torch_zero1``:  torch DDP + torch's ZeroRedundancyOptimizer(Adam);
 - ``hybrid_zero1``: hybrid DDP + hybrid's ZeroRedundancyOptimizer(Adam) (greedy whole-tensor
   partition, parameters broadcast by their owners);
-- ``hybrid_zero2``: hybrid DDP + hybrid's ZeRO2(Adam) (buckets reduce-scattered, flat slices
-  updated, parameters all-gathered).
+- ``hybrid_zero2``: hybrid DDP + hybrid's ZeRO2(Adam) (buckets reduced, each rank keeps and
+  updates its flat slices, parameters gathered);
+- ``hybrid_overlap`` / ``hybrid_overlap_interleaved``: hybrid DDP + ZeroRedundancyOptimizer(Adam,
+  overlap_with_ddp=True) stepped inside backward by ``hook_with_zero_step`` / ``_interleaved``
+  (torch's own refuse gloo, so they have no torch counterpart here).
 
 Memory is counted from the live tensors of rank 0 and rank 1 (the larger is printed): optimizer
 state is every tensor in the optimizer's state; gradients are what a rank keeps for the optimizer
@@ -36,7 +39,7 @@ from torch import nn
 from hybrid._table import format_table, human_bytes
 
 WORLD_SIZE = 2
-VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2")
+VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_interleaved")
 
 
 def _mlp(width: int, depth: int) -> nn.Module:
@@ -47,14 +50,30 @@ def _mlp(width: int, depth: int) -> nn.Module:
 
 
 def _state_bytes(opt) -> int:
-    state = opt.optim.state if hasattr(opt, "optim") else opt.state
-    return sum(v.nbytes for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    if isinstance(opt, _Overlapped):
+        states = [s for o in opt.zero._overlap_runtime.optims.values() for s in o.state.values()]
+    else:
+        states = (opt.optim.state if hasattr(opt, "optim") else opt.state).values()
+    return sum(v.nbytes for s in states for v in s.values() if isinstance(v, torch.Tensor))
 
 
 def _grad_bytes(model: nn.Module, opt) -> int:
     if hasattr(opt, "grad_numel"):  # ZeRO2 keeps float32 slices; .grad is None
         return 4 * opt.grad_numel()
     return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+
+
+class _Overlapped:
+    """The training loop's optimizer when the step runs in backward: step() is skipped."""
+
+    def __init__(self, zero):
+        self.zero = zero
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        self.zero.zero_grad(set_to_none=set_to_none)
 
 
 def _build(name: str, width: int, depth: int):
@@ -78,6 +97,15 @@ def _build(name: str, width: int, depth: int):
     if name == "hybrid_zero2":
         ddp = DistributedDataParallel(model)
         return model, ddp, ZeRO2(ddp, torch.optim.Adam, lr=lr)
+    if name in ("hybrid_overlap", "hybrid_overlap_interleaved"):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from hybrid.torch import hook_with_zero_step, hook_with_zero_step_interleaved
+        ddp = DistributedDataParallel(model)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=lr)
+        wrap = hook_with_zero_step if name == "hybrid_overlap" else hook_with_zero_step_interleaved
+        ddp.register_comm_hook(None, wrap(allreduce_hook, ddp, zero))
+        return model, ddp, _Overlapped(zero)
     raise ValueError(f"unknown variant {name!r}")
 
 

@@ -66,6 +66,7 @@ class _Overlap:
         self.assignment: BucketAssignment | None = None
         self.optims: dict[int, torch.optim.Optimizer] = {}  # bucket -> optimizer over my slice
         self.pending: list = []  # (work, flat, params, owner) broadcasts of this iteration
+        zero._overlap_runtime = self  # where the optimizer state lives now (inspection, benchmarks)
 
     # -- assignment -----------------------------------------------------------------------------
 
