@@ -42,10 +42,11 @@ WORLD_SIZE = 2
 VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_interleaved")
 
 
-def _mlp(width: int, depth: int) -> nn.Module:
+def _mlp(widths: tuple[int, ...]) -> nn.Module:
+    # Unequal layers, so that the greedy whole-tensor partition (ZeRO-1) cannot balance exactly.
     layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
     return nn.Sequential(*layers)
 
 
@@ -76,14 +77,14 @@ class _Overlapped:
         self.zero.zero_grad(set_to_none=set_to_none)
 
 
-def _build(name: str, width: int, depth: int):
+def _build(name: str, widths: tuple[int, ...]):
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
 
     torch.manual_seed(0)
-    model = _mlp(width, depth)
+    model = _mlp(widths)
     lr = 1e-3
     if name == "ddp_adam":
         ddp = TorchDDP(model)
@@ -109,13 +110,13 @@ def _build(name: str, width: int, depth: int):
     raise ValueError(f"unknown variant {name!r}")
 
 
-def _worker(rank, world, port, outdir, width, depth, batch, reps, warmup):
+def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
     warnings.simplefilter("ignore", FutureWarning)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    runs = {name: _build(name, width, depth) for name in VARIANTS}
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+    runs = {name: _build(name, widths) for name in VARIANTS}
+    x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(rank))
     times = {name: [] for name in VARIANTS}
     memory = {}
     for it in range(warmup + reps):
@@ -147,22 +148,24 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench zero", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15)")
-    parser.add_argument("--width", type=int, default=None, help="MLP width (default 1536)")
-    parser.add_argument("--depth", type=int, default=None, help="MLP depth (default 4)")
+    parser.add_argument("--widths", type=str, default=None,
+                        help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 15)
-    width = args.width or (256 if args.quick else 1536)
-    depth = args.depth or (3 if args.quick else 4)
+    default = "256,384,192,256" if args.quick else "1536,2048,1024,1536,768"
+    widths = tuple(int(w) for w in (args.widths or default).split(","))
+    if len(widths) < 2 or min(widths) < 1:
+        raise ValueError(f"--widths needs at least two positive widths, got {args.widths!r}")
     batch = 32
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero_")
-    mp.spawn(_worker, args=(WORLD_SIZE, port, outdir, width, depth, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(WORLD_SIZE, port, outdir, widths, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
     results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD_SIZE)]
     r0 = results[0]
     n = r0["numel"]
-    print(f"MLP {depth} x Linear({width}, {width}): {n} parameters in {r0['num_tensors']} tensors (float32), "
+    print(f"MLP {'-'.join(map(str, widths))}: {n} parameters in {r0['num_tensors']} tensors (float32), "
           f"Adam, world size {WORLD_SIZE}, gloo; ZeRO-2 over {r0['zero2_buckets']} DDP buckets")
 
     print("\nmemory per rank (the larger of the ranks) / unsharded (ddp_adam)")
@@ -173,8 +176,8 @@ def main(argv: list[str]) -> int:
         state = max(r["memory"][name][0] for r in results)
         grad = max(r["memory"][name][1] for r in results)
         buckets = r0["memory"][name][2]
-        rows.append([name, human_bytes(state), round(state / ref_state, 4), human_bytes(grad),
-                     round(grad / ref_grad, 4), human_bytes(buckets) if buckets is not None else "n/a (C++)"])
+        rows.append([name, human_bytes(state), f"{state / ref_state:.5f}", human_bytes(grad),
+                     f"{grad / ref_grad:.5f}", human_bytes(buckets) if buckets is not None else "n/a (C++)"])
     print(format_table(["variant", "opt state", "state/unsharded", "grads kept", "grads/unsharded",
                         "DDP buckets"], rows))
     greedy = r0["greedy_numel_per_rank"]

@@ -105,11 +105,27 @@ class ZeRO2(Optimizer):
     # -- layout ----------------------------------------------------------------------------------
 
     def _set_param_plan(self, plan: BucketPlan) -> None:
+        """Move the parameters into one padded flat buffer per bucket and cut the master slices.
+
+        ``param.data`` becomes a view into its bucket's buffer (as with ZeroRedundancyOptimizer's
+        ``parameters_as_bucket_view``), so the gather writes the parameters in place. For float32
+        parameters the master slice *is* this rank's slice of that buffer: the inner optimizer
+        updates the parameters directly and nothing is copied.
+        """
         self._plan = plan
         self._shards = shard_flat(plan, self.world_size)
-        full = {i: p.detach() for i, p in enumerate(self._params)}
-        self._masters = [_take(self._shards, b, self.rank, full, dtype=torch.float32)
-                         for b in range(len(plan.buckets))]
+        self._flat_params, self._masters = [], []
+        for b, bucket in enumerate(plan.buckets):
+            first = self._params[bucket.members[0]]
+            full = torch.zeros(self._shards.padded_length(b), dtype=first.dtype, device=first.device)
+            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                p = self._params[m]
+                full[o:o + n].copy_(p.detach().reshape(-1))
+                p.data = full[o:o + n].view_as(p)
+            start, stop = self._shards.shard_range(b, self.rank)
+            mine = full[start:stop]
+            self._flat_params.append(full)
+            self._masters.append(mine if mine.dtype == torch.float32 else mine.float())
 
     def _relayout(self, plan: BucketPlan) -> None:
         """Move master weights and optimizer state to ``plan``'s slices (DDP rebuilt its buckets).
@@ -285,22 +301,18 @@ class ZeRO2(Optimizer):
         return loss
 
     def _all_gather_params(self) -> None:
-        works, fulls = [], []
-        for b, master in enumerate(self._masters):
-            dtype = self._params[self._plan.buckets[b].members[0]].dtype
-            full = torch.empty(self._shards.padded_length(b), dtype=dtype, device=master.device)
+        """Every rank's updated slices into every rank's flat parameter buffers (in place)."""
+        works = []
+        for b, (master, full) in enumerate(zip(self._masters, self._flat_params)):
+            size = self._shards.shard_sizes[b]
+            mine = full[self.rank * size:(self.rank + 1) * size]
+            if master.data_ptr() != mine.data_ptr():
+                mine.copy_(master)  # lower-precision parameters: the float32 master, rounded
             if self._flat_collectives:
-                works.append(_all_gather(full, master.to(dtype), group=self.process_group, async_op=True))
+                works.append(_all_gather(full, mine.clone(), group=self.process_group, async_op=True))
             else:
                 # gloo: one broadcast per rank straight into its slice beats gloo's all-gather.
-                size = self._shards.shard_sizes[b]
-                full[self.rank * size:(self.rank + 1) * size].copy_(master)
                 works += [dist.broadcast(full[r * size:(r + 1) * size], src=dist.get_global_rank(self.process_group, r),
                                          group=self.process_group, async_op=True) for r in range(self.world_size)]
-            fulls.append(full)
         for work in works:
             work.wait()
-        for b, full in enumerate(fulls):
-            bucket = self._plan.buckets[b]
-            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                self._params[m].copy_(full[o:o + n].view_as(self._params[m]))
