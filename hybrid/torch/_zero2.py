@@ -2,7 +2,8 @@
 
 The layout is :func:`hybrid.core.shard_flat` over the DDP's own :class:`~hybrid.core.BucketPlan`:
 bucket ``b`` is padded to ``world_size * shard_sizes[b]`` elements and rank ``r`` owns the ``r``-th
-equal slice. The comm hook reduce-scatters each bucket as soon as DDP launches it, so a rank keeps
+equal slice. The comm hook reduce-scatters each bucket as soon as DDP launches it (on gloo it
+all-reduces and slices, which is faster there), so a rank keeps
 only its gradient slice; ``step()`` runs the inner ``torch.optim`` optimizer on one flat float32
 master slice per bucket (so its state is ``1 / world_size`` of the unsharded state, plus at most
 ``world_size - 1`` padding elements per bucket), then all-gathers the updated parameters.
@@ -41,12 +42,14 @@ class ZeRO2(Optimizer):
     """Any ``torch.optim`` optimizer with gradients and state sharded flat over the DDP's ranks.
 
     Registers a comm hook on ``module`` (a :class:`hybrid.torch.DistributedDataParallel`) that
-    reduce-scatters every gradient bucket instead of all-reducing it. After ``backward()`` the
+    reduce-scatters every gradient bucket instead of all-reducing it (on gloo: all-reduces it and
+    keeps the slice, which is faster there). After ``backward()`` the
     parameters' ``.grad`` are ``None``: each rank holds only its slice of the averaged gradient.
     ``step()`` updates this rank's slice of every bucket with ``optimizer_class`` and all-gathers
     the parameters, so every rank ends the step with the same full model, as DDP + the plain
     optimizer would. Works from the first iteration; when DDP rebuilds its buckets (after the
     first iteration) the optimizer state is re-sliced to the new layout at the next ``step()``.
+    The parameters' ``.data`` become views into one padded flat buffer per bucket.
 
     Args:
       module: the DDP-wrapped model; its process group is the one sharded over.
