@@ -12,7 +12,8 @@ so drift hits all of them alike:
   updates its flat slices, parameters gathered);
 - ``hybrid_overlap`` / ``hybrid_overlap_interleaved``: hybrid DDP + ZeroRedundancyOptimizer(Adam,
   overlap_with_ddp=True) stepped inside backward by ``hook_with_zero_step`` / ``_interleaved``
-  (torch's own refuse gloo, so they have no torch counterpart here).
+  (torch's own refuse gloo, so they have no torch counterpart here); ``hybrid_overlap_shard``
+  is ``hook_with_zero_step(..., shard_buckets=True)``.
 
 Memory is counted from the live tensors of rank 0 and rank 1 (the larger is printed): optimizer
 state is every tensor in the optimizer's state; gradients are what a rank keeps for the optimizer
@@ -39,7 +40,8 @@ from torch import nn
 from hybrid._table import format_table, human_bytes
 
 WORLD_SIZE = 2
-VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_interleaved")
+VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_shard",
+            "hybrid_overlap_interleaved")
 
 
 def _mlp(widths: tuple[int, ...]) -> nn.Module:
@@ -98,14 +100,14 @@ def _build(name: str, widths: tuple[int, ...]):
     if name == "hybrid_zero2":
         ddp = DistributedDataParallel(model)
         return model, ddp, ZeRO2(ddp, torch.optim.Adam, lr=lr)
-    if name in ("hybrid_overlap", "hybrid_overlap_interleaved"):
+    if name in ("hybrid_overlap", "hybrid_overlap_shard", "hybrid_overlap_interleaved"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         from hybrid.torch import hook_with_zero_step, hook_with_zero_step_interleaved
         ddp = DistributedDataParallel(model)
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=lr)
         wrap = hook_with_zero_step if name == "hybrid_overlap" else hook_with_zero_step_interleaved
-        ddp.register_comm_hook(None, wrap(allreduce_hook, ddp, zero))
+        ddp.register_comm_hook(None, wrap(allreduce_hook, ddp, zero, shard_buckets=name.endswith("_shard")))
         return model, ddp, _Overlapped(zero)
     raise ValueError(f"unknown variant {name!r}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,14 @@ class _Overlap:
         # One rank owns everything anyway; the core's shard_buckets rule would cut a bucket into
         # two runs for a single rank (torch then overwrites the first run's assignment).
         shard = self.shard_buckets and self.world_size > 1
-        self.plan, self.assignment = plan, assign_buckets(plan, self.world_size, shard_buckets=shard)
+        try:
+            assignment = assign_buckets(plan, self.world_size, shard_buckets=shard)
+        except ValueError as e:
+            # torch's rule cuts some buckets (often DDP's first, single-bucket plan) into more
+            # runs than ranks; torch then silently drops a run's updates. Whole buckets instead.
+            warnings.warn(f"{e}; this bucket plan is assigned with shard_buckets=False", stacklevel=2)
+            assignment = assign_buckets(plan, self.world_size, shard_buckets=False)
+        self.plan, self.assignment = plan, assignment
         params = self.ddp._params
         self.optims = {}
         for sub in self.assignment.per_rank[self.rank]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -170,10 +171,11 @@ CASES["ranks_agree"] = ranks_agree
 # ---- the ZeRO step overlapped with backward (hook_with_zero_step / _interleaved) ----------------
 
 HOOKS = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
-# shard_buckets needs buckets that cut into at most world_size runs (the core raises otherwise,
-# where torch would silently drop a run): these layouts do, before and after DDP's rebuild.
+# With shard_buckets, three_buckets_* and four_buckets cut into at most world_size runs before and
+# after DDP's rebuild; "default" and "two_buckets" do not (one bucket, world sizes 2 and 3), so
+# those plans fall back to whole buckets with a warning (torch would silently drop a run).
 OVERLAP_DDP_OPTIONS = {False: ("default", "bucket_view", "static_graph", "three_buckets_view"),
-                       True: ("three_buckets_view", "three_buckets_static", "four_buckets")}
+                       True: ("default", "two_buckets", "three_buckets_view", "three_buckets_static", "four_buckets")}
 
 
 def overlap(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: str, optim: str = "adam") -> None:
@@ -189,6 +191,15 @@ def overlap(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: 
     zero = ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **kwargs)
     ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero, shard_buckets=shard_buckets))
     ref_opt = cls(ref_model.parameters(), **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model)
+    fell_back = any("assigned with shard_buckets=False" in str(w.message) for w in caught)
+    # The one-bucket plans cut into too many runs at world sizes 2 and 3 (see OVERLAP_DDP_OPTIONS).
+    assert fell_back == (shard_buckets and world_size > 1 and ddp in ("default", "two_buckets")), fell_back
+
+
+def _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model):
     for step in range(NUM_STEPS):
         x = batch(rank, step)
         ddp_module(x).pow(2).mean().backward()  # the step runs inside
