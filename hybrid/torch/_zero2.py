@@ -286,6 +286,52 @@ class ZeRO2(Optimizer):
         for p in self._params:
             p.grad = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's per-parameter format, as a plain optimizer over ``module.parameters()``
+        would return it (indices in DDP's parameter order). A collective: call it on every rank.
+        """
+        states = [self.optim.state.get(m, {}) for m in self._masters]
+        out: dict[int, dict[str, Any]] = {i: {} for i in range(len(self._params))}
+        for key, value in states[0].items():
+            if isinstance(value, torch.Tensor) and value.shape == self._masters[0].shape:
+                full = self._gather_per_tensor(self._plan, self._shards, [st[key] for st in states])
+                for i, t in full.items():
+                    out[i][key] = t.view(self._params[i].shape).clone()
+            else:  # per-tensor scalars (Adam's step): the same in every slice
+                for i in out:
+                    out[i][key] = value.clone() if isinstance(value, torch.Tensor) else value
+        group = {k: v for k, v in self.optim.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self._params)))
+        return {"state": {i: st for i, st in out.items() if st}, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's per-parameter format (e.g. a plain optimizer's ``state_dict()``); each rank
+        keeps its slices. Tensors shaped like their parameter are sliced; others (``step``) copied.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != 1 or sorted(groups[0]["params"]) != list(range(len(self._params))):
+            raise ValueError("ZeRO2.load_state_dict needs one parameter group over all "
+                             f"{len(self._params)} parameters, got groups of "
+                             f"{[len(g['params']) for g in groups]} parameters")
+        per_param: dict[str, dict[int, torch.Tensor]] = {}
+        scalars: dict[str, Any] = {}
+        for i, st in state_dict["state"].items():
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and key != "step" and value.shape == self._params[int(i)].shape:
+                    per_param.setdefault(key, {})[int(i)] = value.detach().reshape(-1).float()
+                else:
+                    scalars[key] = value
+        self.optim.state.clear()
+        for b, master in enumerate(self._masters):
+            st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+            for key, full in per_param.items():
+                st[key] = _take(self._shards, b, self.rank, full, dtype=torch.float32)
+            if st:
+                self.optim.state[master] = st
+        for k, v in groups[0].items():
+            if k != "params":
+                self.optim.param_groups[0][k] = v
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Update this rank's slices with the inner optimizer, then all-gather the parameters."""

@@ -142,6 +142,33 @@ def closure_and_scheduler(rank: int, world_size: int) -> None:
         pair.check(f"step {step}")
 
 
+def state_dicts(rank: int, world_size: int, *, optim: str, ddp: str) -> None:
+    """state_dict() equals the plain optimizer's; loading the plain one's state, then stepping on,
+    stays at parity (loaded after DDP's rebuild, so into the rebuilt layout)."""
+    pair = Pair(optim, DDP_OPTIONS[ddp])
+    for step in range(3):
+        pair.backward(batch(rank, step))
+        pair.step()
+    ours, ref = pair.opt.state_dict(), pair.ref_opt.state_dict()
+    assert sorted(ours["state"]) == sorted(ref["state"]), (sorted(ours["state"]), sorted(ref["state"]))
+    for i, st in ref["state"].items():
+        assert sorted(ours["state"][i]) == sorted(st), (i, sorted(ours["state"][i]), sorted(st))
+        for k, v in st.items():
+            torch.testing.assert_close(ours["state"][i][k], v, rtol=RTOL, atol=ATOL, msg=f"state[{i}][{k!r}]")
+    assert {k: v for k, v in ours["param_groups"][0].items()} == ref["param_groups"][0]
+    # Perturb the reference state, load it into ZeRO2: the next steps must follow the loaded state.
+    for st in ref["state"].values():
+        for k, v in st.items():
+            if k != "step":
+                v.mul_(0.5)
+    pair.ref_opt.load_state_dict(ref)
+    pair.opt.load_state_dict(ref)
+    for step in range(3, 5):
+        pair.backward(batch(rank, step))
+        pair.step()
+        pair.check(f"step {step} after load_state_dict")
+
+
 def ranks_agree(rank: int, world_size: int) -> None:
     """After a step every rank holds the same parameters (the all-gather really ran)."""
     pair = Pair("adam", {"bucket_cap_mb": 0.0002})
@@ -164,6 +191,8 @@ CASES["accumulate[three_buckets_view-flat_collectives]"] = functools.partial(
     accumulate, ddp="three_buckets_view", flat=True)
 CASES.update({f"accumulate[{d}]": functools.partial(accumulate, ddp=d) for d in ("default", "three_buckets_view")})
 CASES["no_sync"] = no_sync
+CASES.update({f"state_dicts[{o}-{d}]": functools.partial(state_dicts, optim=o, ddp=d)
+              for o, d in (("adam", "three_buckets_view"), ("sgd_momentum", "two_buckets"), ("adamw", "default"))})
 CASES["closure_and_scheduler"] = closure_and_scheduler
 CASES["ranks_agree"] = ranks_agree
 
