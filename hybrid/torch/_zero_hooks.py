@@ -18,7 +18,6 @@ other ranks. Differences from torch:
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +30,6 @@ from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._zero import ZeroRedundancyOptimizer
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
-
-logger = logging.getLogger(__name__)
 
 Hook = Callable[[Any, GradBucket], torch.futures.Future]
 

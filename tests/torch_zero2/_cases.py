@@ -250,7 +250,8 @@ def overlap_step_is_a_no_op(rank: int, world_size: int) -> None:
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}]": functools.partial(overlap, hook=h, shard_buckets=s, ddp=d)
+CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}]":
+              functools.partial(overlap, hook=h, shard_buckets=s, ddp=d)
               for h in HOOKS for s in (False, True) for d in OVERLAP_DDP_OPTIONS[s]})
 CASES.update({f"overlap[{h}-whole-two_buckets-sgd_momentum]": functools.partial(
     overlap, hook=h, shard_buckets=False, ddp="two_buckets", optim="sgd_momentum") for h in HOOKS})
