@@ -365,6 +365,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     _last_order = None
     _expect_hooks = False
+    _comm_hook_owns_grads = False  # set by hybrid.torch.ZeRO2, whose hook keeps the gradients
 
     def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool):
         # Inside a Join context every rank takes part in this all-reduce, so joined ranks learn
@@ -531,7 +532,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
             if self.static_graph:
                 self._static_globally_unused = globally_unused
-        if self.gradient_as_bucket_view:
+        if self._comm_hook_owns_grads:
+            pass  # a ZeRO-2 hook keeps only its gradient slice: .grad stays None
+        elif self.gradient_as_bucket_view:
             for i, (p, view) in enumerate(zip(self._params, self._views)):
                 if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                     p.grad = view

@@ -131,7 +131,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
       process_group: the group to shard over (default: the world).
       parameters_as_bucket_view: make ``param.data`` views into flat per-rank buckets, so that
         each rank's share is broadcast in one message.
-      overlap_with_ddp: not implemented yet (needs hybrid's DDP); ``True`` raises.
+      overlap_with_ddp: the step runs inside DDP's backward through
+        :func:`hybrid.torch.hook_with_zero_step` (or ``_interleaved``); ``step()`` does nothing.
       **defaults: forwarded to ``optimizer_class``.
 
     >>> import torch, torch.distributed as dist
@@ -151,10 +152,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  **defaults: Any):
         params, all_params = _check_params(params)
         _check_same_dense_type(all_params)
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not implemented yet in hybrid: "
-                "it needs hybrid.torch.DistributedDataParallel's ZeRO hook")
+        # overlap_with_ddp: the step runs inside DDP's backward (hybrid.torch.hook_with_zero_step).
+        self._overlap_with_ddp = bool(overlap_with_ddp)
         if optimizer_class in functional_optim_map.values():
             raise ValueError(f"Passing in a functional optimizer {optimizer_class} "
                              "when `overlap_with_ddp=False`")
@@ -255,6 +254,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Extra keyword arguments go to the local optimizer's ``step``.
         """
+        if self._overlap_with_ddp:
+            logger.warning("`step()` should not be included in the training loop when `overlap_with_ddp=True`")
+            return None
         Join.notify_join_context(self)
         mask = self._trainable_mask()
         if mask != self._is_trainable_mask:

@@ -39,7 +39,3 @@ def test_input_errors_match_torch(case):
     ours, theirs = _error(ZeroRedundancyOptimizer, BAD_INPUTS[case]()), _error(TorchZero, BAD_INPUTS[case]())
     assert ours == theirs
 
-
-def test_overlap_with_ddp_not_implemented():
-    with pytest.raises(NotImplementedError, match="overlap_with_ddp"):
-        ZeroRedundancyOptimizer([_p(3)], torch.optim.SGD, overlap_with_ddp=True, lr=0.1)

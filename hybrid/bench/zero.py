@@ -1,0 +1,195 @@
+"""``python -m hybrid bench zero``: ZeRO-1 and ZeRO-2 memory per rank, and step time, vs DDP + Adam.
+
+Two gloo processes on this machine, one MLP, Adam. Variants, each a full training step
+(forward, backward, gradient reduction, optimizer step, zero_grad), interleaved A, B, C, ...
+so drift hits all of them alike:
+
+- ``ddp_adam``:     torch DDP + torch.optim.Adam over all parameters (the unsharded reference);
+- ``torch_zero1``:  torch DDP + torch's ZeroRedundancyOptimizer(Adam);
+- ``hybrid_zero1``: hybrid DDP + hybrid's ZeroRedundancyOptimizer(Adam) (greedy whole-tensor
+  partition, parameters broadcast by their owners);
+- ``hybrid_zero2``: hybrid DDP + hybrid's ZeRO2(Adam) (buckets reduced, each rank keeps and
+  updates its flat slices, parameters gathered);
+- ``hybrid_overlap`` / ``hybrid_overlap_interleaved``: hybrid DDP + ZeroRedundancyOptimizer(Adam,
+  overlap_with_ddp=True) stepped inside backward by ``hook_with_zero_step`` / ``_interleaved``
+  (torch's own refuse gloo, so they have no torch counterpart here); ``hybrid_overlap_shard``
+  is ``hook_with_zero_step(..., shard_buckets=True)``.
+
+Memory is counted from the live tensors of rank 0 and rank 1 (the larger is printed): optimizer
+state is every tensor in the optimizer's state; gradients are what a rank keeps for the optimizer
+between backward and step (``.grad`` for DDP and ZeRO-1, the gradient slices for ZeRO-2).
+DDP's own communication buckets (full size in every variant, as in torch) are listed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from hybrid._table import format_table, human_bytes
+
+WORLD_SIZE = 2
+VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_shard",
+            "hybrid_overlap_interleaved")
+
+
+def _mlp(widths: tuple[int, ...]) -> nn.Module:
+    # Unequal layers, so that the greedy whole-tensor partition (ZeRO-1) cannot balance exactly.
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _state_bytes(opt) -> int:
+    if isinstance(opt, _Overlapped):
+        states = [s for o in opt.zero._overlap_runtime.optims.values() for s in o.state.values()]
+    else:
+        states = (opt.optim.state if hasattr(opt, "optim") else opt.state).values()
+    return sum(v.nbytes for s in states for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def _grad_bytes(model: nn.Module, opt) -> int:
+    if hasattr(opt, "grad_numel"):  # ZeRO2 keeps float32 slices; .grad is None
+        return 4 * opt.grad_numel()
+    return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+
+
+class _Overlapped:
+    """The training loop's optimizer when the step runs in backward: step() is skipped."""
+
+    def __init__(self, zero):
+        self.zero = zero
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        self.zero.zero_grad(set_to_none=set_to_none)
+
+
+def _build(name: str, widths: tuple[int, ...]):
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = _mlp(widths)
+    lr = 1e-3
+    if name == "ddp_adam":
+        ddp = TorchDDP(model)
+        return model, ddp, torch.optim.Adam(model.parameters(), lr=lr)
+    if name == "torch_zero1":
+        ddp = TorchDDP(model)
+        return model, ddp, TorchZero(model.parameters(), torch.optim.Adam, lr=lr)
+    if name == "hybrid_zero1":
+        ddp = DistributedDataParallel(model)
+        return model, ddp, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=lr)
+    if name == "hybrid_zero2":
+        ddp = DistributedDataParallel(model)
+        return model, ddp, ZeRO2(ddp, torch.optim.Adam, lr=lr)
+    if name in ("hybrid_overlap", "hybrid_overlap_shard", "hybrid_overlap_interleaved"):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from hybrid.torch import hook_with_zero_step, hook_with_zero_step_interleaved
+        ddp = DistributedDataParallel(model)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=lr)
+        wrap = hook_with_zero_step if name == "hybrid_overlap" else hook_with_zero_step_interleaved
+        ddp.register_comm_hook(None, wrap(allreduce_hook, ddp, zero, shard_buckets=name.endswith("_shard")))
+        return model, ddp, _Overlapped(zero)
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
+    warnings.simplefilter("ignore", FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    runs = {name: _build(name, widths) for name in VARIANTS}
+    x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(rank))
+    times = {name: [] for name in VARIANTS}
+    memory = {}
+    for it in range(warmup + reps):
+        for name, (model, ddp, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            ddp(x).pow(2).mean().backward()
+            grad_bytes = _grad_bytes(model, opt) if it == warmup else None  # not timed: cheap sums
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            if it >= warmup:
+                times[name].append(dt)
+            if it == warmup:
+                buckets = sum(b.numel() * b.element_size() for b in ddp._bufs) if hasattr(ddp, "_bufs") else None
+                memory[name] = (_state_bytes(opt), grad_bytes, buckets)
+    params = list(runs["ddp_adam"][0].parameters())
+    numels = [p.numel() for p in params]
+    greedy = runs["hybrid_zero1"][2].partition.numel_per_rank()
+    result = {"rank": rank, "memory": memory, "times": {k: statistics.median(v) for k, v in times.items()},
+              "numel": sum(numels), "num_tensors": len(numels), "greedy_numel_per_rank": greedy,
+              "zero2_buckets": runs["hybrid_zero2"][1].bucket_plan.num_buckets}
+    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid bench zero", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15)")
+    parser.add_argument("--widths", type=str, default=None,
+                        help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
+    args = parser.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 15)
+    default = "256,384,192,256" if args.quick else "1536,2048,1024,1536,768"
+    widths = tuple(int(w) for w in (args.widths or default).split(","))
+    if len(widths) < 2 or min(widths) < 1:
+        raise ValueError(f"--widths needs at least two positive widths, got {args.widths!r}")
+    batch = 32
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero_")
+    mp.spawn(_worker, args=(WORLD_SIZE, port, outdir, widths, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
+    results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD_SIZE)]
+    r0 = results[0]
+    n = r0["numel"]
+    print(f"MLP {'-'.join(map(str, widths))}: {n} parameters in {r0['num_tensors']} tensors (float32), "
+          f"Adam, world size {WORLD_SIZE}, gloo; ZeRO-2 over {r0['zero2_buckets']} DDP buckets")
+
+    print("\nmemory per rank (the larger of the ranks) / unsharded (ddp_adam)")
+    ref_state = max(r["memory"]["ddp_adam"][0] for r in results)
+    ref_grad = max(r["memory"]["ddp_adam"][1] for r in results)
+    rows = []
+    for name in VARIANTS:
+        state = max(r["memory"][name][0] for r in results)
+        grad = max(r["memory"][name][1] for r in results)
+        buckets = r0["memory"][name][2]
+        rows.append([name, human_bytes(state), f"{state / ref_state:.5f}", human_bytes(grad),
+                     f"{grad / ref_grad:.5f}", human_bytes(buckets) if buckets is not None else "n/a (C++)"])
+    print(format_table(["variant", "opt state", "state/unsharded", "grads kept", "grads/unsharded",
+                        "DDP buckets"], rows))
+    greedy = r0["greedy_numel_per_rank"]
+    print(f"target for the flat partition (ZeRO-2): <= {1 / WORLD_SIZE * 1.01:.4f}; "
+          f"greedy partition (ZeRO-1) elements per rank {greedy}: "
+          f"imbalance max/mean = {max(greedy) / (sum(greedy) / len(greedy)):.4f}")
+
+    t = r0["times"]
+    print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
+    rows = [[name, round(t[name] * 1e3, 2), round(t[name] / t["ddp_adam"], 3),
+             round(t[name] / t["torch_zero1"], 3)] for name in VARIANTS]
+    print(format_table(["variant", "ms", "/ ddp_adam", "/ torch_zero1"], rows))
+    return 0

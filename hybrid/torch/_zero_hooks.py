@@ -1,0 +1,254 @@
+"""The ZeRO optimizer step overlapped with DDP's backward: torch's ``ddp_zero_hook``, on gloo too.
+
+``hook_with_zero_step`` and ``hook_with_zero_step_interleaved`` wrap a DDP comm hook (e.g.
+``allreduce_hook``) so that each rank updates the parameters of the buckets
+:func:`hybrid.core.assign_buckets` gives it, right after their reduction, and sends them to the
+other ranks. Differences from torch:
+
+* no skipped iterations: the assignment is computed from the DDP's current bucket plan on the
+  first backward, so the very first iteration already updates (torch skips two or three). When
+  DDP rebuilds its buckets, the optimizer state moves to the new owners once;
+* gloo works: the interleaved variant runs its steps on one helper thread, bucket by bucket in
+  order, and broadcasts on a process group of its own, so every rank issues the same collectives
+  in the same order (torch refuses gloo because its callbacks may not);
+* the local optimizer is the ``torch.optim`` class the ZeroRedundancyOptimizer was built with,
+  one instance per owned bucket slice (torch uses the functional optimizers).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid.core import BucketAssignment, BucketPlan, assign_buckets
+from hybrid.torch._ddp import DistributedDataParallel, GradBucket
+from hybrid.torch._zero import ZeroRedundancyOptimizer
+
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+Hook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+class _Overlap:
+    """Per-(DDP, ZeRO) runtime: the assignment for the current plan, local optimizers, broadcasts."""
+
+    def __init__(self, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_buckets: bool,
+                 *, own_group: bool):
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"ddp must be a hybrid.torch.DistributedDataParallel, got {type(ddp).__name__}")
+        if not isinstance(zero, ZeroRedundancyOptimizer):
+            raise TypeError(f"zero must be a hybrid.torch.ZeroRedundancyOptimizer, got {type(zero).__name__}")
+        if not zero._overlap_with_ddp:
+            raise ValueError("ZeroRedundancyOptimizer must be constructed with "
+                             "`overlap_with_ddp=True` to use this hook properly")
+        if len(zero.param_groups) != 1:
+            raise ValueError("Overlapping DDP with ZeRO only supports a single parameter group, got "
+                             f"{len(zero.param_groups)}")
+        self.ddp, self.zero, self.shard_buckets = ddp, zero, bool(shard_buckets)
+        self.group = ddp.process_group
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        # The interleaved steps broadcast from a helper thread while the autograd thread issues
+        # DDP's reductions: separate process groups keep each stream in one order on all ranks.
+        self.bcast_group = self.group
+        if own_group:
+            ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+            self.bcast_group = dist.new_group(ranks=ranks, backend=dist.get_backend(self.group))
+        self.optimizer_class = type(zero.optim)
+        self.plan: BucketPlan | None = None
+        self.assignment: BucketAssignment | None = None
+        self.optims: dict[int, torch.optim.Optimizer] = {}  # bucket -> optimizer over my slice
+        self.pending: list = []  # (work, flat, params, owner) broadcasts of this iteration
+        zero._overlap_runtime = self  # where the optimizer state lives now (inspection, benchmarks)
+
+    # -- assignment -----------------------------------------------------------------------------
+
+    def ensure_plan(self) -> None:
+        """Assign the DDP's current buckets; on a rebuild, hand each parameter's state over."""
+        plan = self.ddp.bucket_plan
+        if plan is self.plan:
+            return
+        old = self._state_per_param() if self.plan is not None else {}
+        # One rank owns everything anyway; the core's shard_buckets rule would cut a bucket into
+        # two runs for a single rank (torch then overwrites the first run's assignment).
+        shard = self.shard_buckets and self.world_size > 1
+        try:
+            assignment = assign_buckets(plan, self.world_size, shard_buckets=shard)
+        except ValueError as e:
+            # torch's rule cuts some buckets (often DDP's first, single-bucket plan) into more
+            # runs than ranks; torch then silently drops a run's updates. Whole buckets instead.
+            warnings.warn(f"{e}; this bucket plan is assigned with shard_buckets=False", stacklevel=2)
+            assignment = assign_buckets(plan, self.world_size, shard_buckets=False)
+        self.plan, self.assignment = plan, assignment
+        params = self.ddp._params
+        self.optims = {}
+        for sub in self.assignment.per_rank[self.rank]:
+            owned = [params[m] for m in plan.buckets[sub.bucket].members[sub.start:sub.stop]]
+            opt = self.optimizer_class([{"params": owned}], **self.zero.defaults)
+            for p in owned:
+                i = self.ddp._index_of[id(p)]
+                if i in old:
+                    opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in old[i].items()}
+            self.optims[sub.bucket] = opt
+
+    def _state_per_param(self) -> dict[int, dict]:
+        """Every parameter's optimizer state, from whichever rank held it (one-off, on rebuilds)."""
+        mine = {self.ddp._index_of[id(p)]: dict(s) for opt in self.optims.values() for p, s in opt.state.items()}
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {i: s for theirs in everyone for i, s in theirs.items()}
+
+    # -- one bucket -----------------------------------------------------------------------------
+
+    def local_step(self, bucket: GradBucket, value: Any) -> None:
+        """Update my slice of ``bucket`` from its reduced gradients (the hook's result ``value``)."""
+        sub = self.assignment.subset(self.rank, bucket.index())
+        if sub is None:
+            return
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        buf = bucket.buffer()
+        if isinstance(value, torch.Tensor) and value.data_ptr() != buf.data_ptr():
+            buf.copy_(value.view(-1)[: buf.numel()])  # what DDP would do with the result later
+        params = bucket.parameters()[sub.start:sub.stop]
+        grads = bucket.gradients()[sub.start:sub.stop]
+        opt = self.optims[bucket.index()]
+        group = opt.param_groups[0]
+        for k, v in self.zero.param_groups[0].items():  # schedulers edit the ZeRO's group
+            if k != "params":
+                group[k] = v
+        saved = [p.grad for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            opt.step()
+        for p, g in zip(params, saved):
+            p.grad = g
+
+    def broadcast(self, bucket: GradBucket) -> None:
+        """Every owner of a slice of ``bucket`` sends its updated parameters (async)."""
+        b = bucket.index()
+        members = self.plan.buckets[b].members
+        params = self.ddp._params
+        for r in self.assignment.ranks_of_bucket(b):
+            sub = self.assignment.subset(r, b)
+            ps = [params[m] for m in members[sub.start:sub.stop]]
+            if r == self.rank:
+                flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            else:
+                flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            src = dist.get_global_rank(self.bcast_group, r)
+            work = dist.broadcast(flat, src=src, group=self.bcast_group, async_op=True)
+            self.pending.append((work, flat, ps, r))
+
+    def finish(self) -> None:
+        """Wait for this iteration's broadcasts and write the received parameters."""
+        with torch.no_grad():
+            for work, flat, ps, r in self.pending:
+                work.wait()
+                if r != self.rank:
+                    torch._foreach_copy_(ps, [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in ps]), ps)])
+        self.pending = []
+
+
+def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
+                        shard_buckets: bool = False) -> Hook:
+    """``hook``, plus the ZeRO step of every bucket once the last bucket has been reduced.
+
+    torch's ``hook_with_zero_step``: backward computation runs uninterrupted; when DDP launches
+    the last bucket, each rank waits for the reductions of its buckets, steps its share and
+    broadcasts it. ``zero`` is a :class:`hybrid.torch.ZeroRedundancyOptimizer` built with
+    ``overlap_with_ddp=True`` (its ``step()`` then does nothing). Updates start with the first
+    iteration.
+
+    Args:
+      hook: the comm hook doing the reduction, e.g. torch's ``allreduce_hook``.
+      ddp: the :class:`hybrid.torch.DistributedDataParallel` the hook is registered on.
+      zero: the optimizer.
+      shard_buckets: split buckets over ranks (``assign_buckets(..., shard_buckets=True)``)
+        instead of giving each bucket whole to one rank.
+
+    >>> import torch, torch.distributed as dist
+    >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    >>> from hybrid.torch import DistributedDataParallel, ZeroRedundancyOptimizer
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+    >>> zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.5)
+    >>> ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    >>> before = ddp.module.bias.detach().clone()
+    >>> ddp(torch.ones(3, 4)).sum().backward()         # the step happens inside backward
+    >>> (before - ddp.module.bias).tolist()             # lr * gradient (3 rows of ones)
+    [1.5, 1.5]
+    >>> dist.destroy_process_group()
+    """
+    overlap = _Overlap(ddp, zero, shard_buckets, own_group=False)
+    futures: dict[int, tuple[torch.futures.Future, GradBucket]] = {}
+
+    def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future:
+        fut = hook(state, bucket)
+        if bucket.index() == 0:
+            overlap.ensure_plan()
+            futures.clear()
+        futures[bucket.index()] = (fut, bucket)
+        if not bucket.is_last():
+            return fut
+        for b in range(len(futures)):
+            f, bkt = futures[b]
+            overlap.local_step(bkt, f.wait())
+            overlap.broadcast(bkt)
+        overlap.finish()
+        futures.clear()
+        return fut
+    return hook_with_zero_fn
+
+
+def hook_with_zero_step_interleaved(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
+                                    shard_buckets: bool = False) -> Hook:
+    """``hook``, plus each bucket's ZeRO step as soon as that bucket is reduced.
+
+    torch's ``hook_with_zero_step_interleaved``: steps and broadcasts interleave with the rest of
+    the backward pass. Arguments as :func:`hook_with_zero_step`. Must be created on every rank
+    of the DDP's process group (it creates a process group for its broadcasts).
+
+    >>> import torch, torch.distributed as dist
+    >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    >>> from hybrid.torch import DistributedDataParallel, ZeroRedundancyOptimizer
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+    >>> zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.5)
+    >>> ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    >>> before = ddp.module.bias.detach().clone()
+    >>> ddp(torch.ones(3, 4)).sum().backward()
+    >>> (before - ddp.module.bias).tolist()
+    [1.5, 1.5]
+    >>> dist.destroy_process_group()
+    """
+    overlap = _Overlap(ddp, zero, shard_buckets, own_group=True)
+    # One worker: buckets are stepped and broadcast strictly in bucket order on every rank.
+    worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybrid-zero-step")
+
+    def hook_with_zero_interleaved_fn(state: Any, bucket: GradBucket) -> torch.futures.Future:
+        fut = hook(state, bucket)
+        if bucket.index() == 0:
+            overlap.ensure_plan()
+        out = torch.futures.Future()
+
+        def zero_step():
+            try:
+                value = fut.wait()
+                overlap.local_step(bucket, value)
+                overlap.broadcast(bucket)
+                if bucket.is_last():
+                    overlap.finish()
+            except BaseException as e:  # noqa: BLE001 - handed to DDP, which waits on the Future
+                out.set_exception(e)
+            else:
+                out.set_result(value)
+        worker.submit(zero_step)
+        return out
+    return hook_with_zero_interleaved_fn

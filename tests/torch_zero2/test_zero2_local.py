@@ -1,0 +1,62 @@
+"""ZeRO2's docstring example and its input errors, in one gloo process."""
+
+import doctest
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hybrid.torch._zero2
+import hybrid.torch._zero_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+import hybrid.torch
+from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
+from tests.torch_zero._harness import free_port
+
+
+@pytest.mark.parametrize("module", [hybrid.torch._zero2, hybrid.torch._zero_hooks])
+def test_module_doctests(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("make_module, optimizer_class, ddp_kwargs, error, match", [
+    (lambda m: m, torch.optim.SGD, None, TypeError, "hybrid.torch.DistributedDataParallel module, got Linear"),
+    (lambda m: torch.nn.parallel.DistributedDataParallel(m), torch.optim.SGD, None, TypeError,
+     "got DistributedDataParallel"),
+    (None, "sgd", {}, TypeError, "optimizer_class must be a torch.optim.Optimizer subclass, got 'sgd'"),
+    (None, torch.optim.SGD, {"find_unused_parameters": True}, NotImplementedError, "find_unused_parameters"),
+])
+def test_errors(world_of_one, make_module, optimizer_class, ddp_kwargs, error, match):
+    model = torch.nn.Linear(3, 2)
+    module = make_module(model) if make_module else DistributedDataParallel(model, **ddp_kwargs)
+    with pytest.raises(error, match=match):
+        ZeRO2(module, optimizer_class, lr=0.1)
+
+
+def test_one_hook_per_ddp(world_of_one):
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
+    ZeRO2(ddp, torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="can only be called once"):
+        ZeRO2(ddp, torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("hook", ["hook_with_zero_step", "hook_with_zero_step_interleaved"])
+@pytest.mark.parametrize("make_zero, error, match", [
+    (lambda m: ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1), ValueError, "overlap_with_ddp=True"),
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), TypeError, "got SGD"),
+    (lambda m: ZeroRedundancyOptimizer([{"params": [m.weight]}, {"params": [m.bias]}], torch.optim.SGD,
+                                       overlap_with_ddp=True, lr=0.1), ValueError, "single parameter group, got 2"),
+])
+def test_overlap_hook_errors(world_of_one, hook, make_zero, error, match):
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
+    with pytest.raises(error, match=match):
+        getattr(hybrid.torch, hook)(allreduce_hook, ddp, make_zero(ddp.module))
