@@ -12,8 +12,8 @@ master slice per bucket (so its state is ``1 / world_size`` of the unsharded sta
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,44 @@ def _take(shards: FlatShardPlan, b: int, rank: int, full: dict[int, torch.Tensor
     """Rank ``rank``'s slice of bucket ``b`` built from whole per-tensor values (zeros in padding)."""
     out = torch.zeros(shards.shard_sizes[b], dtype=dtype, device=next(iter(full.values())).device)
     for s in shards.member_slices(b, rank):
-        out[s.shard_offset:s.shard_offset + s.stop - s.start] = full[s.tensor].reshape(-1)[s.start:s.stop]
+        if s.tensor in full:  # tensors without this state (another group's) leave zeros
+            out[s.shard_offset:s.shard_offset + s.stop - s.start] = full[s.tensor].reshape(-1)[s.start:s.stop]
+    return out
+
+
+class Segment(NamedTuple):
+    """A run of one parameter group inside this rank's slice of a bucket: slice elements [lo, hi)."""
+    bucket: int
+    lo: int
+    hi: int
+    group: int
+
+
+def slice_segments(plan: BucketPlan, shards: FlatShardPlan, rank: int, group_of: Sequence[int]) -> list[Segment]:
+    """Cut ``rank``'s slice of every bucket into maximal runs of elements of one parameter group.
+
+    A member owns the elements from its offset up to the next member's (alignment gaps included);
+    the last member owns the bucket's padding too, so the segments of a bucket tile its slice.
+
+    >>> from hybrid.core import TensorSpec, plan_buckets, shard_flat
+    >>> plan = plan_buckets([TensorSpec(n, (3,), "float32") for n in "abc"])
+    >>> [tuple(s) for s in slice_segments(plan, shard_flat(plan, 2), 0, [0, 1, 0])]
+    [(0, 0, 3, 0), (0, 3, 5, 1)]
+    """
+    out: list[Segment] = []
+    for b, bucket in enumerate(plan.buckets):
+        start, stop = shards.shard_range(b, rank)
+        ends = list(bucket.offsets[1:]) + [shards.padded_length(b)]
+        first = len(out)
+        for i, (m, end) in enumerate(zip(bucket.members, ends)):
+            lo, hi = max(0 if i == 0 else bucket.offsets[i], start) - start, min(end, stop) - start
+            if hi <= lo:
+                continue
+            g = group_of[m]
+            if len(out) > first and out[-1].group == g and out[-1].hi == lo:
+                out[-1] = out[-1]._replace(hi=hi)
+            else:
+                out.append(Segment(b, lo, hi, g))
     return out
 
 
@@ -53,25 +90,34 @@ class ZeRO2(Optimizer):
 
     Args:
       module: the DDP-wrapped model; its process group is the one sharded over.
-      optimizer_class: a ``torch.optim.Optimizer`` subclass; it sees one flat float32 tensor per
-        bucket (elementwise optimizers such as SGD, Adam, AdamW give DDP's results; optimizers
-        that look across a tensor, e.g. LAMB's trust ratio, would see the slice instead).
-      **defaults: forwarded to ``optimizer_class`` (one parameter group).
+      optimizer_class: a ``torch.optim.Optimizer`` subclass; it sees flat float32 tensors, one per
+        run of one parameter group in each bucket slice (elementwise optimizers such as SGD, Adam,
+        AdamW give DDP's results; optimizers that look across a tensor, e.g. LAMB's trust ratio,
+        would see the slice instead).
+      param_groups: torch's parameter groups (dicts with ``"params"`` and per-group options) over
+        all of ``module``'s parameters, each in exactly one group; default one group of all.
+        ``param_groups``, schedulers and ``state_dict()`` index them as torch's optimizers do.
+      **defaults: forwarded to ``optimizer_class``.
 
     >>> import torch, torch.distributed as dist
     >>> from hybrid.torch import DistributedDataParallel
     >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     >>> ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
-    >>> opt = ZeRO2(ddp, torch.optim.Adam, lr=0.1)
+    >>> opt = ZeRO2(ddp, torch.optim.AdamW, lr=0.1, param_groups=[
+    ...     {"params": [ddp.module.weight], "weight_decay": 0.1},
+    ...     {"params": [ddp.module.bias], "weight_decay": 0.0}])
     >>> ddp(torch.ones(3, 4)).sum().backward()
     >>> ddp.module.weight.grad is None, opt.grad_numel()
     (True, 10)
     >>> opt.step()
     >>> opt.zero_grad()
+    >>> [g["weight_decay"] for g in opt.state_dict()["param_groups"]]
+    [0.1, 0.0]
     >>> dist.destroy_process_group()
     """
 
-    def __init__(self, module: DistributedDataParallel, optimizer_class: type[Optimizer], **defaults: Any):
+    def __init__(self, module: DistributedDataParallel, optimizer_class: type[Optimizer],
+                 param_groups: Iterable[dict[str, Any]] | None = None, **defaults: Any):
         if not isinstance(module, DistributedDataParallel):
             raise TypeError("ZeRO2 needs a hybrid.torch.DistributedDataParallel module, got "
                             f"{type(module).__name__}")
@@ -86,6 +132,9 @@ class ZeRO2(Optimizer):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self._params: list[torch.Tensor] = list(module._params)
+        # _group_of[i]: the group of DDP parameter i; _torch_order: DDP indices in torch's state
+        # dict numbering (group by group, in each group's own order).
+        self._group_of, self._torch_order, group_options = self._resolve_groups(param_groups)
         self._grad_plan: BucketPlan | None = None  # the layout of the gradient slices
         self._grad_shards: FlatShardPlan | None = None
         self._grads: list[torch.Tensor | None] = []
@@ -97,7 +146,8 @@ class ZeRO2(Optimizer):
         # collectives. The memory kept is the same: only the slices outlive the hook.
         self._flat_collectives = dist.get_backend(self.process_group) != dist.Backend.GLOO
         self._set_param_plan(module.bucket_plan)
-        self.optim: Optimizer = optimizer_class(list(self._masters), **defaults)
+        self.optim: Optimizer = optimizer_class(
+            [{**options, "params": self._masters_of(g)} for g, options in enumerate(group_options)], **defaults)
         Optimizer.__init__(self, list(self._masters), self.optim.defaults)
         # One set of groups and state: schedulers and users edit what the inner optimizer reads.
         self.param_groups = self.optim.param_groups
@@ -105,18 +155,47 @@ class ZeRO2(Optimizer):
         module.register_comm_hook(None, self._hook)
         module._comm_hook_owns_grads = True
 
+    def _resolve_groups(self, param_groups) -> tuple[list[int], list[int], list[dict[str, Any]]]:
+        """Validate torch-style groups against the DDP's parameters (each exactly once)."""
+        if param_groups is None:
+            return [0] * len(self._params), list(range(len(self._params))), [{}]
+        names, index_of = self._ddp._names, self._ddp._index_of
+        group_of: list[int | None] = [None] * len(self._params)
+        order, options = [], []
+        for g, group in enumerate(list(param_groups)):
+            if not isinstance(group, dict) or "params" not in group:
+                raise TypeError(f"param_groups[{g}] must be a dict with a 'params' entry, got {type(group).__name__}")
+            params = group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            for p in params:
+                i = index_of.get(id(p))
+                if i is None:
+                    raise ValueError(f"param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is not a "
+                                     "parameter of the DDP module")
+                if group_of[i] is not None:
+                    raise ValueError(f"parameter {names[i]!r} appears in param_groups[{group_of[i]}] and "
+                                     f"param_groups[{g}]")
+                group_of[i] = g
+                order.append(i)
+            options.append({k: v for k, v in group.items() if k != "params"})
+        missing = [names[i] for i, g in enumerate(group_of) if g is None]
+        if missing:
+            raise ValueError(f"parameters in no group: {missing} (ZeRO2 shards every parameter of the module)")
+        return group_of, order, options
+
     # -- layout ----------------------------------------------------------------------------------
 
     def _set_param_plan(self, plan: BucketPlan) -> None:
-        """Move the parameters into one padded flat buffer per bucket and cut the master slices.
+        """Move the parameters into one padded flat buffer per bucket and cut the master segments.
 
         ``param.data`` becomes a view into its bucket's buffer (as with ZeroRedundancyOptimizer's
         ``parameters_as_bucket_view``), so the gather writes the parameters in place. For float32
-        parameters the master slice *is* this rank's slice of that buffer: the inner optimizer
-        updates the parameters directly and nothing is copied.
+        parameters the master segments *are* views of this rank's slice of that buffer: the inner
+        optimizer updates the parameters directly and nothing is copied.
         """
         self._plan = plan
         self._shards = shard_flat(plan, self.world_size)
+        self._segments = slice_segments(plan, self._shards, self.rank, self._group_of)
         self._flat_params, self._masters = [], []
         for b, bucket in enumerate(plan.buckets):
             first = self._params[bucket.members[0]]
@@ -125,38 +204,89 @@ class ZeRO2(Optimizer):
                 p = self._params[m]
                 full[o:o + n].copy_(p.detach().reshape(-1))
                 p.data = full[o:o + n].view_as(p)
-            start, stop = self._shards.shard_range(b, self.rank)
-            mine = full[start:stop]
             self._flat_params.append(full)
+        for seg in self._segments:
+            mine = self._my_slice(seg.bucket)[seg.lo:seg.hi]
             self._masters.append(mine if mine.dtype == torch.float32 else mine.float())
+
+    def _my_slice(self, b: int) -> torch.Tensor:
+        start, stop = self._shards.shard_range(b, self.rank)
+        return self._flat_params[b][start:stop]
+
+    def _masters_of(self, group: int) -> list[torch.Tensor]:
+        return [m for seg, m in zip(self._segments, self._masters) if seg.group == group]
 
     def _relayout(self, plan: BucketPlan) -> None:
         """Move master weights and optimizer state to ``plan``'s slices (DDP rebuilt its buckets).
 
-        Every rank holds the full parameters after each step, so the new master slices are cut
-        locally; sliced state tensors are all-gathered per bucket, split per parameter, re-cut.
+        Every rank holds the full parameters after each step, so the new master segments are cut
+        locally; the state goes through whole per-parameter tensors and is re-cut.
         """
-        old_masters, old_shards, old_plan = self._masters, self._shards, self._plan
-        per_param: dict[str, dict[int, torch.Tensor]] = {}
-        scalars: dict[str, Any] = {}
-        states = [self.optim.state.get(m, {}) for m in old_masters]
-        for key, value in states[0].items():
-            if isinstance(value, torch.Tensor) and value.shape == old_masters[0].shape:
-                per_param[key] = self._gather_per_tensor(old_plan, old_shards, [s[key] for s in states])
-            else:
-                # Per-tensor scalars (Adam's step): every slice took the same steps.
-                scalars[key] = value
+        per_param = self._state_per_param()
         self._set_param_plan(plan)
-        state = {}
-        for b, master in enumerate(self._masters):
-            s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-            for key, full in per_param.items():
-                s[key] = _take(self._shards, b, self.rank, full, dtype=next(iter(full.values())).dtype)
-            if s:
-                state[master] = s
-        self.optim.param_groups[0]["params"] = list(self._masters)
+        for g, group in enumerate(self.optim.param_groups):
+            group["params"] = self._masters_of(g)
+        self._load_state(per_param)
+
+    def _state_per_param(self) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+        """``{DDP index: (sliced state as whole tensors, scalar state)}``. A collective.
+
+        Slices of each state tensor are all-gathered bucket by bucket. Which keys exist, and the
+        scalar state (Adam's ``step``), are agreed per group over the ranks first: a rank may hold
+        no element of a small group.
+        """
+        local: dict[int, tuple[dict[str, Any], dict[str, str]]] = {}
+        for seg, master in zip(self._segments, self._masters):
+            scalars, sliced = local.setdefault(seg.group, ({}, {}))
+            for k, v in self.optim.state.get(master, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() == 1:
+                    sliced[k] = str(v.dtype).removeprefix("torch.")
+                else:
+                    scalars[k] = v
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, local, group=self.process_group)
+        scalars_of: dict[int, dict[str, Any]] = {}
+        sliced_of: dict[int, dict[str, str]] = {}
+        for theirs in everyone:
+            for g, (scalars, sliced) in theirs.items():
+                for k, v in scalars.items():
+                    scalars_of.setdefault(g, {}).setdefault(k, v)
+                sliced_of.setdefault(g, {}).update(sliced)
+        out: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {
+            i: ({}, dict(scalars_of.get(g, {}))) for i, g in enumerate(self._group_of)}
+        dtypes = {k: d for sliced in sliced_of.values() for k, d in sliced.items()}
+        device = self._flat_params[0].device
+        for key in sorted(dtypes):
+            slices = [torch.zeros(n, dtype=getattr(torch, dtypes[key]), device=device)
+                      for n in self._shards.shard_sizes]
+            for seg, master in zip(self._segments, self._masters):
+                value = self.optim.state.get(master, {}).get(key)
+                if isinstance(value, torch.Tensor):
+                    slices[seg.bucket][seg.lo:seg.hi] = value
+            for i, t in self._gather_per_tensor(self._plan, self._shards, slices).items():
+                if key in sliced_of.get(self._group_of[i], {}):
+                    out[i][0][key] = t.view(self._params[i].shape).clone()
+        return out
+
+    def _load_state(self, per_param: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]) -> None:
+        """Set every master segment's state from whole per-parameter values (no communication)."""
+        keys_of: dict[int, set[str]] = {}
+        scalars_of: dict[int, dict[str, Any]] = {}
+        for i, (sliced, scalars) in per_param.items():
+            keys_of.setdefault(self._group_of[i], set()).update(sliced)
+            scalars_of.setdefault(self._group_of[i], {}).update(scalars)
+        slices: dict[tuple[int, str], torch.Tensor] = {}
         self.optim.state.clear()
-        self.optim.state.update(state)
+        for seg, master in zip(self._segments, self._masters):
+            st: dict[str, Any] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                  for k, v in scalars_of.get(seg.group, {}).items()}
+            for key in sorted(keys_of.get(seg.group, ())):
+                if (seg.bucket, key) not in slices:
+                    full = {i: sliced[key] for i, (sliced, _) in per_param.items() if key in sliced}
+                    slices[seg.bucket, key] = _take(self._shards, seg.bucket, self.rank, full, dtype=torch.float32)
+                st[key] = slices[seg.bucket, key][seg.lo:seg.hi].clone()
+            if st:
+                self.optim.state[master] = st
 
     def _set_grad_plan(self, plan: BucketPlan) -> None:
         """Lay the gradient slices out for ``plan``; slices being accumulated are re-cut.
@@ -287,50 +417,50 @@ class ZeRO2(Optimizer):
             p.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's per-parameter format, as a plain optimizer over ``module.parameters()``
-        would return it (indices in DDP's parameter order). A collective: call it on every rank.
+        """The state in torch's per-parameter format, as the plain optimizer over the same
+        parameter groups would return it (indices numbered group by group, as torch does; with no
+        groups given, DDP's parameter order). A collective: call it on every rank.
         """
-        states = [self.optim.state.get(m, {}) for m in self._masters]
-        out: dict[int, dict[str, Any]] = {i: {} for i in range(len(self._params))}
-        for key, value in states[0].items():
-            if isinstance(value, torch.Tensor) and value.shape == self._masters[0].shape:
-                full = self._gather_per_tensor(self._plan, self._shards, [st[key] for st in states])
-                for i, t in full.items():
-                    out[i][key] = t.view(self._params[i].shape).clone()
-            else:  # per-tensor scalars (Adam's step): the same in every slice
-                for i in out:
-                    out[i][key] = value.clone() if isinstance(value, torch.Tensor) else value
-        group = {k: v for k, v in self.optim.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self._params)))
-        return {"state": {i: st for i, st in out.items() if st}, "param_groups": [group]}
+        per_param = self._state_per_param()
+        state = {}
+        for pos, i in enumerate(self._torch_order):
+            sliced, scalars = per_param[i]
+            st = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}, **sliced}
+            if st:
+                state[pos] = st
+        groups, pos = [], 0
+        for g, group in enumerate(self.optim.param_groups):
+            size = self._group_of.count(g)
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(pos, pos + size))})
+            pos += size
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's per-parameter format (e.g. a plain optimizer's ``state_dict()``); each rank
-        keeps its slices. Tensors shaped like their parameter are sliced; others (``step``) copied.
+        """Load torch's per-parameter format (e.g. a plain optimizer's ``state_dict()`` over the
+        same groups); each rank keeps its slices. Tensors shaped like their parameter are sliced;
+        others (``step``) copied.
         """
         groups = state_dict["param_groups"]
-        if len(groups) != 1 or sorted(groups[0]["params"]) != list(range(len(self._params))):
-            raise ValueError("ZeRO2.load_state_dict needs one parameter group over all "
-                             f"{len(self._params)} parameters, got groups of "
-                             f"{[len(g['params']) for g in groups]} parameters")
-        per_param: dict[str, dict[int, torch.Tensor]] = {}
-        scalars: dict[str, Any] = {}
-        for i, st in state_dict["state"].items():
+        sizes = [self._group_of.count(g) for g in range(len(self.optim.param_groups))]
+        if [len(g["params"]) for g in groups] != sizes:
+            raise ValueError(f"ZeRO2.load_state_dict: the state dict has groups of {[len(g['params']) for g in groups]} "
+                             f"parameters, this optimizer {sizes}")
+        index_of = {saved: self._torch_order[pos] for pos, saved in
+                    enumerate(i for g in groups for i in g["params"])}
+        per_param: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {i: ({}, {}) for i in self._torch_order}
+        for saved, st in state_dict["state"].items():
+            i = index_of[int(saved)]
             for key, value in st.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.shape == self._params[int(i)].shape:
-                    per_param.setdefault(key, {})[int(i)] = value.detach().reshape(-1).float()
+                if isinstance(value, torch.Tensor) and key != "step" and value.shape == self._params[i].shape:
+                    per_param[i][0][key] = value.detach().reshape(-1).float()
                 else:
-                    scalars[key] = value
-        self.optim.state.clear()
-        for b, master in enumerate(self._masters):
-            st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-            for key, full in per_param.items():
-                st[key] = _take(self._shards, b, self.rank, full, dtype=torch.float32)
-            if st:
-                self.optim.state[master] = st
-        for k, v in groups[0].items():
-            if k != "params":
-                self.optim.param_groups[0][k] = v
+                    per_param[i][1][key] = value
+        self._load_state(per_param)
+        for group, saved in zip(self.optim.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = v
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
@@ -341,8 +471,9 @@ class ZeRO2(Optimizer):
                 loss = closure()
         if self._grad_plan is not None and self._grad_plan != self._plan:
             self._relayout(self._grad_plan)
-        for master, g in zip(self._masters, self._grads or [None] * len(self._masters)):
-            master.grad = g
+        for seg, master in zip(self._segments, self._masters):
+            g = self._grads[seg.bucket] if self._grads else None
+            master.grad = None if g is None else g[seg.lo:seg.hi]
         self.optim.step(**kwargs)
         for master in self._masters:
             master.grad = None
@@ -351,14 +482,15 @@ class ZeRO2(Optimizer):
 
     def _all_gather_params(self) -> None:
         """Every rank's updated slices into every rank's flat parameter buffers (in place)."""
-        works = []
-        for b, (master, full) in enumerate(zip(self._masters, self._flat_params)):
-            size = self._shards.shard_sizes[b]
-            mine = full[self.rank * size:(self.rank + 1) * size]
+        for seg, master in zip(self._segments, self._masters):
+            mine = self._my_slice(seg.bucket)[seg.lo:seg.hi]
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)  # lower-precision parameters: the float32 master, rounded
+        works = []
+        for b, full in enumerate(self._flat_params):
+            size = self._shards.shard_sizes[b]
             if self._flat_collectives:
-                works.append(_all_gather(full, mine.clone(), group=self.process_group, async_op=True))
+                works.append(_all_gather(full, self._my_slice(b).clone(), group=self.process_group, async_op=True))
             else:
                 # gloo: one broadcast per rank straight into its slice beats gloo's all-gather.
                 works += [dist.broadcast(full[r * size:(r + 1) * size], src=dist.get_global_rank(self.process_group, r),

@@ -39,22 +39,42 @@ DDP_OPTIONS = {
 }
 
 
+# Two parameter groups (weights, biases) per optimizer: different options per group, and for SGD
+# a group without momentum, so one group keeps state and the other none.
+GROUP_OPTIONS = {
+    "adam": ({"lr": 0.02}, {"lr": 0.005}),
+    "adamw": ({"weight_decay": 0.1}, {"weight_decay": 0.0, "lr": 0.02}),
+    "sgd_momentum": ({"momentum": 0.9}, {"momentum": 0.0, "lr": 0.1}),
+}
+
+
+def two_groups(model: torch.nn.Module, optim: str) -> list[dict]:
+    weights, biases = GROUP_OPTIONS[optim]
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], **weights},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], **biases}]
+
+
 class Pair:
     """The same model under hybrid DDP + ZeRO2 and under torch DDP + the plain optimizer."""
 
-    def __init__(self, optim: str, ddp_options: dict, *, flat: bool = False, **extra):
+    def __init__(self, optim: str, ddp_options: dict, *, flat: bool = False, groups: bool = False, **extra):
         cls, kwargs = OPTIMIZERS[optim]
         kwargs = {**kwargs, **extra}
         base = make_model()
         self.model, self.ref_model = copy.deepcopy(base), copy.deepcopy(base)
         self.ddp = DistributedDataParallel(self.model, **ddp_options)
         self.ref_ddp = TorchDDP(self.ref_model, **ddp_options)
-        self.opt = ZeRO2(self.ddp, cls, **kwargs)
+        if groups:
+            self.opt = ZeRO2(self.ddp, cls, param_groups=two_groups(self.model, optim), **kwargs)
+            self.ref_opt = cls(two_groups(self.ref_model, optim), **kwargs)
+        else:
+            self.opt = ZeRO2(self.ddp, cls, **kwargs)
+            self.ref_opt = cls(self.ref_model.parameters(), **kwargs)
         # On gloo ZeRO2 all-reduces and slices; flat=True forces the reduce-scatter/all-gather
         # path it takes on other backends, so both are checked here.
         self.opt._flat_collectives = flat
-        self.ref_opt = cls(self.ref_model.parameters(), **kwargs)
-        self.copies = STATE_COPIES[optim]
+        # SGD's momentum-free group keeps no state: the count check needs every element to have some.
+        self.copies = None if groups and optim == "sgd_momentum" else STATE_COPIES[optim]
 
     def backward(self, x):
         self.ddp(x).pow(2).mean().backward()
@@ -77,13 +97,15 @@ class Pair:
         assert self.opt.grad_numel() == padded, f"{what}: {self.opt.grad_numel()} gradient elements != {padded}"
 
     def check_state(self, world_size: int, what: str):
+        if self.copies is None:
+            return
         padded = sum(-(-b.length // world_size) for b in self.ddp.bucket_plan.buckets)
         assert self.opt.state_numel() == self.copies * padded, \
             f"{what}: {self.opt.state_numel()} state elements != {self.copies} x {padded}"
 
 
-def parity(rank: int, world_size: int, *, optim: str, ddp: str, flat: bool = False) -> None:
-    pair = Pair(optim, DDP_OPTIONS[ddp], flat=flat)
+def parity(rank: int, world_size: int, *, optim: str, ddp: str, flat: bool = False, groups: bool = False) -> None:
+    pair = Pair(optim, DDP_OPTIONS[ddp], flat=flat, groups=groups)
     for step in range(NUM_STEPS):
         pair.backward(batch(rank, step))
         pair.check_sharded(world_size, f"step {step}")
@@ -142,10 +164,10 @@ def closure_and_scheduler(rank: int, world_size: int) -> None:
         pair.check(f"step {step}")
 
 
-def state_dicts(rank: int, world_size: int, *, optim: str, ddp: str) -> None:
+def state_dicts(rank: int, world_size: int, *, optim: str, ddp: str, groups: bool = False) -> None:
     """state_dict() equals the plain optimizer's; loading the plain one's state, then stepping on,
     stays at parity (loaded after DDP's rebuild, so into the rebuilt layout)."""
-    pair = Pair(optim, DDP_OPTIONS[ddp])
+    pair = Pair(optim, DDP_OPTIONS[ddp], groups=groups)
     for step in range(3):
         pair.backward(batch(rank, step))
         pair.step()
@@ -155,7 +177,7 @@ def state_dicts(rank: int, world_size: int, *, optim: str, ddp: str) -> None:
         assert sorted(ours["state"][i]) == sorted(st), (i, sorted(ours["state"][i]), sorted(st))
         for k, v in st.items():
             torch.testing.assert_close(ours["state"][i][k], v, rtol=RTOL, atol=ATOL, msg=f"state[{i}][{k!r}]")
-    assert {k: v for k, v in ours["param_groups"][0].items()} == ref["param_groups"][0]
+    assert ours["param_groups"] == ref["param_groups"]
     # Perturb the reference state, load it into ZeRO2: the next steps must follow the loaded state.
     for st in ref["state"].values():
         for k, v in st.items():
@@ -167,6 +189,20 @@ def state_dicts(rank: int, world_size: int, *, optim: str, ddp: str) -> None:
         pair.backward(batch(rank, step))
         pair.step()
         pair.check(f"step {step} after load_state_dict")
+
+
+def scheduler_per_group(rank: int, world_size: int) -> None:
+    """A LambdaLR with one rule per group: each inner group follows its own, as in torch."""
+    pair = Pair("adamw", {"bucket_cap_mb_list": [0.0001, 0.0002]}, groups=True)
+    rules = [lambda step: 0.5 ** step, lambda step: 1.0 + step]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, rules) for o in (pair.opt, pair.ref_opt)]
+    for step in range(4):
+        pair.backward(batch(rank, step))
+        pair.step()
+        for sched in scheds:
+            sched.step()
+        assert [g["lr"] for g in pair.opt.optim.param_groups] == [g["lr"] for g in pair.ref_opt.param_groups]
+        pair.check(f"step {step}")
 
 
 def ranks_agree(rank: int, world_size: int) -> None:
@@ -194,6 +230,13 @@ CASES["no_sync"] = no_sync
 CASES.update({f"state_dicts[{o}-{d}]": functools.partial(state_dicts, optim=o, ddp=d)
               for o, d in (("adam", "three_buckets_view"), ("sgd_momentum", "two_buckets"), ("adamw", "default"))})
 CASES["closure_and_scheduler"] = closure_and_scheduler
+CASES.update({f"parity[{o}-{d}-two_groups]": functools.partial(parity, optim=o, ddp=d, groups=True)
+              for o in OPTIMIZERS for d in ("default", "three_buckets_view", "four_buckets")})
+CASES.update({f"parity[{o}-four_buckets-two_groups-flat_collectives]": functools.partial(
+    parity, optim=o, ddp="four_buckets", groups=True, flat=True) for o in ("adamw", "sgd_momentum")})
+CASES.update({f"state_dicts[{o}-{d}-two_groups]": functools.partial(state_dicts, optim=o, ddp=d, groups=True)
+              for o, d in (("adamw", "three_buckets_view"), ("sgd_momentum", "four_buckets"))})
+CASES["scheduler_per_group"] = scheduler_per_group
 CASES["ranks_agree"] = ranks_agree
 
 

@@ -60,3 +60,25 @@ def test_overlap_hook_errors(world_of_one, hook, make_zero, error, match):
     ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
     with pytest.raises(error, match=match):
         getattr(hybrid.torch, hook)(allreduce_hook, ddp, make_zero(ddp.module))
+
+
+@pytest.mark.parametrize("make_groups, error, match", [
+    (lambda m: [{"params": [m.weight]}], ValueError, r"parameters in no group: \['bias'\]"),
+    (lambda m: [{"params": [m.weight, m.bias]}, {"params": m.bias}], ValueError,
+     r"parameter 'bias' appears in param_groups\[0\] and param_groups\[1\]"),
+    (lambda m: [{"params": [m.weight, m.bias, torch.nn.Parameter(torch.ones(5))]}], ValueError,
+     r"param_groups\[0\] holds a tensor of shape \(5,\) that is not a parameter of the DDP module"),
+    (lambda m: [[m.weight, m.bias]], TypeError, r"param_groups\[0\] must be a dict with a 'params' entry"),
+])
+def test_param_group_errors(world_of_one, make_groups, error, match):
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
+    with pytest.raises(error, match=match):
+        ZeRO2(ddp, torch.optim.SGD, param_groups=make_groups(ddp.module), lr=0.1)
+
+
+def test_load_state_dict_with_other_groups_raises(world_of_one):
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
+    opt = ZeRO2(ddp, torch.optim.Adam, lr=0.1)
+    plain = torch.optim.Adam([{"params": [ddp.module.weight]}, {"params": [ddp.module.bias]}], lr=0.1)
+    with pytest.raises(ValueError, match=r"groups of \[1, 1\] parameters, this optimizer \[2\]"):
+        opt.load_state_dict(plain.state_dict())
