@@ -63,7 +63,8 @@ class _Overlap:
         self.plan: BucketPlan | None = None
         self.assignment: BucketAssignment | None = None
         self.optims: dict[int, torch.optim.Optimizer] = {}  # bucket -> optimizer over my slice
-        self.pending: list = []  # (work, flat, params, owner) broadcasts of this iteration
+        self.flats: list[torch.Tensor] = []  # per bucket: the parameters' storage (params are views)
+        self.pending: list = []  # the broadcasts of this iteration
         zero._overlap_runtime = self  # where the optimizer state lives now (inspection, benchmarks)
 
     # -- assignment -----------------------------------------------------------------------------
@@ -86,6 +87,7 @@ class _Overlap:
             assignment = assign_buckets(plan, self.world_size, shard_buckets=False)
         self.plan, self.assignment = plan, assignment
         params = self.ddp._params
+        self._params_into_flats(plan)
         self.optims = {}
         for sub in self.assignment.per_rank[self.rank]:
             owned = [params[m] for m in plan.buckets[sub.bucket].members[sub.start:sub.stop]]
@@ -102,6 +104,26 @@ class _Overlap:
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         return {i: s for theirs in everyone for i, s in theirs.items()}
+
+    def _params_into_flats(self, plan: BucketPlan) -> None:
+        """Make every parameter a view into one flat tensor per bucket, laid out as the plan says.
+
+        An owner's run of a bucket is then one contiguous range that is broadcast in place: no
+        gather into a send buffer, no copy out on the receivers (as torch's overlap builds its
+        ``_bucket_assignments_per_rank`` tensors). This may run inside the backward pass (the
+        first bucket's hook): the values are copied unchanged, so autograd's saved parameters
+        still read the same numbers.
+        """
+        params = self.ddp._params
+        self.flats = []
+        for bucket in plan.buckets:
+            first = params[bucket.members[0]]
+            flat = torch.zeros(bucket.length, dtype=first.dtype, device=first.device)
+            with torch.no_grad():
+                for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                    flat[o:o + n].copy_(params[m].detach().reshape(-1))
+                    params[m].data = flat[o:o + n].view_as(params[m])
+            self.flats.append(flat)
 
     # -- one bucket -----------------------------------------------------------------------------
 
@@ -131,28 +153,20 @@ class _Overlap:
             p.grad = g
 
     def broadcast(self, bucket: GradBucket) -> None:
-        """Every owner of a slice of ``bucket`` sends its updated parameters (async)."""
+        """Every owner of a run of ``bucket`` sends its updated parameters (async, in place)."""
         b = bucket.index()
-        members = self.plan.buckets[b].members
-        params = self.ddp._params
+        spec = self.plan.buckets[b]
         for r in self.assignment.ranks_of_bucket(b):
             sub = self.assignment.subset(r, b)
-            ps = [params[m] for m in members[sub.start:sub.stop]]
-            if r == self.rank:
-                flat = torch.cat([p.detach().reshape(-1) for p in ps])
-            else:
-                flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            lo, hi = spec.offsets[sub.start], spec.offsets[sub.stop - 1] + spec.numels[sub.stop - 1]
             src = dist.get_global_rank(self.bcast_group, r)
-            work = dist.broadcast(flat, src=src, group=self.bcast_group, async_op=True)
-            self.pending.append((work, flat, ps, r))
+            self.pending.append(dist.broadcast(self.flats[b][lo:hi], src=src, group=self.bcast_group,
+                                               async_op=True))
 
     def finish(self) -> None:
-        """Wait for this iteration's broadcasts and write the received parameters."""
-        with torch.no_grad():
-            for work, flat, ps, r in self.pending:
-                work.wait()
-                if r != self.rank:
-                    torch._foreach_copy_(ps, [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in ps]), ps)])
+        """Wait for this iteration's broadcasts (they wrote the parameters in place)."""
+        for work in self.pending:
+            work.wait()
         self.pending = []
 
 
