@@ -81,3 +81,32 @@ def run_world(module: str, case_ids: list[str], world_size: int, *, timeout_s: f
         if missing and not errors[c]:
             errors[c].append(f"ranks {missing} never reported (an earlier case failed, a crash or a timeout)")
     return errors
+
+
+def world_case_tests(cases_module, world_sizes=(1, 2, 3), *, timeout_s: float = 170):
+    """A module fixture and a test that run every case of ``cases_module.CASES`` in every world.
+
+    One spawn per world size runs all cases; each (case, world) is then its own test. Use as
+    ``world_results, test_case = world_case_tests(_cases)`` at a test module's top level.
+    """
+    import pytest
+
+    case_ids = sorted(cases_module.CASES)
+
+    @pytest.fixture(scope="module")
+    def world_results():
+        results = {}
+
+        def get(world_size):
+            if world_size not in results:
+                results[world_size] = run_world(cases_module.__name__, case_ids, world_size, timeout_s=timeout_s)
+            return results[world_size]
+        return get
+
+    @pytest.mark.parametrize("world_size", world_sizes)
+    @pytest.mark.parametrize("case_id", case_ids)
+    def test_case(world_results, world_size, case_id):
+        errors = world_results(world_size)[case_id]
+        assert not errors, "\n".join(errors)
+
+    return world_results, test_case
