@@ -127,3 +127,20 @@ def test_gather_op_under_torch_compile():
                              fullgraph=True)
     torch.testing.assert_close(compiled(tensors), gather_bucket(tensors, offsets, length, 2.0, torch.float32),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("threaded_from", [0, 16, 1 << 30])
+@pytest.mark.parametrize("alignment", [1, 8])
+def test_plain_cpu_copies_match_core_pack_on_both_sides_of_the_threading_cut(monkeypatch, threaded_from, alignment):
+    # Large tensors copy through torch (threaded), small ones through numpy: with the cut moved,
+    # every member takes one branch or the other, gaps and padding still zeros, bit for bit.
+    monkeypatch.setattr(kernels, "_THREADED_COPY_NUMEL", threaded_from)
+    plan, tensors = make(7, [(3,), (40,), (0,), (5, 7), (17,), (2, 33)], "float32", alignment)
+    for b in range(len(plan.buckets)):
+        out = torch.full((plan.buckets[b].length,), float("nan"))
+        kernels.gather(plan, b, tensors, out, backend="reference")
+        torch.testing.assert_close(out, pack(plan, b, tensors), rtol=0, atol=0)
+        dests = [torch.full_like(t, float("nan")) for t in tensors]
+        kernels.scatter(plan, b, out, dests, backend="reference")
+        for m in plan.buckets[b].members:
+            assert torch.equal(dests[m], tensors[m]), plan.specs[m].name
