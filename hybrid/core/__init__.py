@@ -18,6 +18,7 @@ from hybrid.core._shard import (
     BucketAssignment,
     BucketSubset,
     FlatShardPlan,
+    GroupRun,
     MemberSlice,
     ParamPartition,
     assign_buckets,
@@ -29,7 +30,7 @@ from hybrid.core._spec import TensorSpec
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB",
-    "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "MemberSlice",
+    "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GroupRun", "MemberSlice",
     "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",
     "itemsize", "mark_ready", "mark_unused", "pack", "partition_params", "plan_buckets", "rebuild_plan", "shard_flat", "start_iteration",

@@ -125,6 +125,16 @@ class MemberSlice:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GroupRun:
+    """Elements ``[lo, hi)`` of a rank's slice of bucket ``bucket``, all of parameter group ``group``."""
+
+    bucket: int
+    lo: int
+    hi: int
+    group: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class FlatShardPlan:
     """Each bucket of ``bucket_plan`` cut into ``world_size`` equal contiguous slices.
 
@@ -158,6 +168,37 @@ class FlatShardPlan:
             lo, hi = max(o, start), min(o + n, stop)
             if lo < hi:
                 out.append(MemberSlice(m, lo - o, hi - o, lo - start))
+        return out
+
+    def group_runs(self, rank: int, group_of: Sequence[int]) -> list[GroupRun]:
+        """Cut rank ``rank``'s slice of every bucket into maximal runs of one parameter group.
+
+        ``group_of[i]`` is tensor ``i``'s group. A member owns the elements from its offset up to
+        the next member's (alignment gaps included) and the last member the bucket's padding, so
+        the runs of a bucket tile the slice exactly: what a sharded optimizer with several
+        parameter groups steps, one flat tensor per run.
+
+        >>> from hybrid.core import plan_buckets
+        >>> plan = plan_buckets([TensorSpec(n, (3,), "float32") for n in "abc"])
+        >>> [(r.bucket, r.lo, r.hi, r.group) for r in shard_flat(plan, 2).group_runs(0, [0, 1, 0])]
+        [(0, 0, 3, 0), (0, 3, 5, 1)]
+        """
+        if len(group_of) != len(self.bucket_plan.specs):
+            raise ValueError(f"group_of needs one group per spec ({len(self.bucket_plan.specs)}), "
+                             f"got {len(group_of)}")
+        out: list[GroupRun] = []
+        for b, bucket in enumerate(self.bucket_plan.buckets):
+            start, stop = self.shard_range(b, rank)
+            ends = list(bucket.offsets[1:]) + [self.padded_length(b)]
+            first = len(out)
+            for i, (m, end) in enumerate(zip(bucket.members, ends)):
+                lo, hi = max(0 if i == 0 else bucket.offsets[i], start) - start, min(end, stop) - start
+                if hi <= lo:
+                    continue
+                if len(out) > first and out[-1].group == group_of[m] and out[-1].hi == lo:
+                    out[-1] = GroupRun(b, out[-1].lo, hi, group_of[m])
+                else:
+                    out.append(GroupRun(b, lo, hi, group_of[m]))
         return out
 
     def shard_numel(self, rank: int) -> int:

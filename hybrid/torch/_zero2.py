@@ -12,8 +12,8 @@ master slice per bucket (so its state is ``1 / world_size`` of the unsharded sta
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,42 +36,6 @@ def _take(shards: FlatShardPlan, b: int, rank: int, full: dict[int, torch.Tensor
     for s in shards.member_slices(b, rank):
         if s.tensor in full:  # tensors without this state (another group's) leave zeros
             out[s.shard_offset:s.shard_offset + s.stop - s.start] = full[s.tensor].reshape(-1)[s.start:s.stop]
-    return out
-
-
-class Segment(NamedTuple):
-    """A run of one parameter group inside this rank's slice of a bucket: slice elements [lo, hi)."""
-    bucket: int
-    lo: int
-    hi: int
-    group: int
-
-
-def slice_segments(plan: BucketPlan, shards: FlatShardPlan, rank: int, group_of: Sequence[int]) -> list[Segment]:
-    """Cut ``rank``'s slice of every bucket into maximal runs of elements of one parameter group.
-
-    A member owns the elements from its offset up to the next member's (alignment gaps included);
-    the last member owns the bucket's padding too, so the segments of a bucket tile its slice.
-
-    >>> from hybrid.core import TensorSpec, plan_buckets, shard_flat
-    >>> plan = plan_buckets([TensorSpec(n, (3,), "float32") for n in "abc"])
-    >>> [tuple(s) for s in slice_segments(plan, shard_flat(plan, 2), 0, [0, 1, 0])]
-    [(0, 0, 3, 0), (0, 3, 5, 1)]
-    """
-    out: list[Segment] = []
-    for b, bucket in enumerate(plan.buckets):
-        start, stop = shards.shard_range(b, rank)
-        ends = list(bucket.offsets[1:]) + [shards.padded_length(b)]
-        first = len(out)
-        for i, (m, end) in enumerate(zip(bucket.members, ends)):
-            lo, hi = max(0 if i == 0 else bucket.offsets[i], start) - start, min(end, stop) - start
-            if hi <= lo:
-                continue
-            g = group_of[m]
-            if len(out) > first and out[-1].group == g and out[-1].hi == lo:
-                out[-1] = out[-1]._replace(hi=hi)
-            else:
-                out.append(Segment(b, lo, hi, g))
     return out
 
 
@@ -195,7 +159,7 @@ class ZeRO2(Optimizer):
         """
         self._plan = plan
         self._shards = shard_flat(plan, self.world_size)
-        self._segments = slice_segments(plan, self._shards, self.rank, self._group_of)
+        self._segments = self._shards.group_runs(self.rank, self._group_of)
         self._flat_params, self._masters = [], []
         for b, bucket in enumerate(plan.buckets):
             first = self._params[bucket.members[0]]

@@ -77,6 +77,39 @@ def test_flat_shards_tile_each_bucket(specs, world_size, cap):
             assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
 
 
+@settings(max_examples=100, deadline=None)
+@given(specs=dense_specs, world_size=st.integers(1, 5), cap=st.integers(1, 3000), alignment=st.sampled_from([1, 4]),
+       data=st.data())
+def test_group_runs_tile_each_slice_by_group(specs, world_size, cap, alignment, data):
+    # Brute force: label every element of the padded bucket with its owner's group (gaps and
+    # padding go to the member before them), then read each rank's slice run by run.
+    plan = plan_buckets(specs, bucket_cap_bytes=cap, first_bucket_cap_bytes=cap, alignment=alignment)
+    shards = shard_flat(plan, world_size)
+    group_of = data.draw(st.lists(st.integers(0, 2), min_size=len(specs), max_size=len(specs)))
+    for rank in range(world_size):
+        runs = shards.group_runs(rank, group_of)
+        for b, bucket in enumerate(plan.buckets):
+            label = [None] * shards.padded_length(b)
+            for i, (m, o) in enumerate(zip(bucket.members, bucket.offsets)):
+                end = bucket.offsets[i + 1] if i + 1 < len(bucket.members) else len(label)
+                label[(0 if i == 0 else o):end] = [group_of[m]] * (end - (0 if i == 0 else o))
+            start, stop = shards.shard_range(b, rank)
+            mine = [(r.lo, r.hi, r.group) for r in runs if r.bucket == b]
+            if stop == start:  # an empty bucket (zero-size tensors) has empty slices: no runs
+                assert mine == []
+                continue
+            assert mine[0][0] == 0 and mine[-1][1] == stop - start
+            assert all(p[1] == q[0] and p[2] != q[2] for p, q in zip(mine, mine[1:]))  # maximal
+            for lo, hi, g in mine:
+                assert label[start + lo:start + hi] == [g] * (hi - lo)
+
+
+def test_group_runs_needs_one_group_per_spec():
+    shards = shard_flat(plan_buckets([TensorSpec("a", (4,), "float32")]), 2)
+    with pytest.raises(ValueError, match="one group per spec"):
+        shards.group_runs(0, [0, 1])
+
+
 def _arrays(specs, seed):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(s.shape).astype(s.dtype) if s.dtype != "int32"
