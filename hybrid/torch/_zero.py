@@ -21,6 +21,7 @@ from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
 from hybrid.core import ParamPartition, TensorSpec, canonical_dtype, partition_params, plan_buckets
+from hybrid.torch._flat import params_into_flat
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -307,15 +308,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if not trainable:
                 continue  # every rank knows this share is empty, so nobody broadcasts it
             plan = plan_buckets([_spec(i, params[i]) for i in trainable], size_limits=_ONE_BUCKET_PER_KEY)
-            for bucket in plan.buckets:
-                first = params[trainable[bucket.members[0]]]
-                flat = torch.empty(bucket.length, dtype=first.dtype, device=first.device)
-                for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels):
-                    p = params[trainable[member]]
-                    view = flat[offset:offset + numel]
-                    view.copy_(p.data.flatten())
-                    p.data = view.view_as(p.data)
-                self._buckets[rank].append(flat)
+            share = [params[i] for i in trainable]
+            self._buckets[rank] = [params_into_flat(share, bucket) for bucket in plan.buckets]
 
     # -- state dicts ----------------------------------------------------------------------------
 

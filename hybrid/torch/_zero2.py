@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
 from hybrid.torch._ddp import DistributedDataParallel, GradBucket
+from hybrid.torch._flat import params_into_flat
 
 __all__ = ["ZeRO2"]
 
@@ -160,15 +161,9 @@ class ZeRO2(Optimizer):
         self._plan = plan
         self._shards = shard_flat(plan, self.world_size)
         self._segments = self._shards.group_runs(self.rank, self._group_of)
-        self._flat_params, self._masters = [], []
-        for b, bucket in enumerate(plan.buckets):
-            first = self._params[bucket.members[0]]
-            full = torch.zeros(self._shards.padded_length(b), dtype=first.dtype, device=first.device)
-            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                p = self._params[m]
-                full[o:o + n].copy_(p.detach().reshape(-1))
-                p.data = full[o:o + n].view_as(p)
-            self._flat_params.append(full)
+        self._flat_params = [params_into_flat(self._params, bucket, self._shards.padded_length(b))
+                              for b, bucket in enumerate(plan.buckets)]
+        self._masters = []
         for seg in self._segments:
             mine = self._my_slice(seg.bucket)[seg.lo:seg.hi]
             self._masters.append(mine if mine.dtype == torch.float32 else mine.float())
@@ -236,9 +231,12 @@ class ZeRO2(Optimizer):
         """Set every master segment's state from whole per-parameter values (no communication)."""
         keys_of: dict[int, set[str]] = {}
         scalars_of: dict[int, dict[str, Any]] = {}
+        full_of: dict[str, dict[int, torch.Tensor]] = {}  # key -> {DDP index: whole value}
         for i, (sliced, scalars) in per_param.items():
             keys_of.setdefault(self._group_of[i], set()).update(sliced)
             scalars_of.setdefault(self._group_of[i], {}).update(scalars)
+            for key, value in sliced.items():
+                full_of.setdefault(key, {})[i] = value
         slices: dict[tuple[int, str], torch.Tensor] = {}
         self.optim.state.clear()
         for seg, master in zip(self._segments, self._masters):
@@ -246,8 +244,8 @@ class ZeRO2(Optimizer):
                                   for k, v in scalars_of.get(seg.group, {}).items()}
             for key in sorted(keys_of.get(seg.group, ())):
                 if (seg.bucket, key) not in slices:
-                    full = {i: sliced[key] for i, (sliced, _) in per_param.items() if key in sliced}
-                    slices[seg.bucket, key] = _take(self._shards, seg.bucket, self.rank, full, dtype=torch.float32)
+                    slices[seg.bucket, key] = _take(self._shards, seg.bucket, self.rank, full_of[key],
+                                                    dtype=torch.float32)
                 st[key] = slices[seg.bucket, key][seg.lo:seg.hi].clone()
             if st:
                 self.optim.state[master] = st

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hybrid.core import BucketAssignment, BucketPlan, assign_buckets
 from hybrid.torch._ddp import DistributedDataParallel, GradBucket
+from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero import ZeroRedundancyOptimizer
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -114,16 +115,7 @@ class _Overlap:
         first bucket's hook): the values are copied unchanged, so autograd's saved parameters
         still read the same numbers.
         """
-        params = self.ddp._params
-        self.flats = []
-        for bucket in plan.buckets:
-            first = params[bucket.members[0]]
-            flat = torch.zeros(bucket.length, dtype=first.dtype, device=first.device)
-            with torch.no_grad():
-                for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                    flat[o:o + n].copy_(params[m].detach().reshape(-1))
-                    params[m].data = flat[o:o + n].view_as(params[m])
-            self.flats.append(flat)
+        self.flats = [params_into_flat(self.ddp._params, bucket) for bucket in plan.buckets]
 
     # -- one bucket -----------------------------------------------------------------------------
 
