@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 import torch
 import torch.distributed as dist
@@ -517,12 +517,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             state = self._delay_all_reduce(state)
         if not state.finished:
             return  # reported by the next forward, as torch does
+        # Without unused parameters, each bucket's gradients are written back as soon as that
+        # bucket is reduced, while later buckets are still in flight (torch's finalize_backward
+        # order); with unused ones, which to skip is known only once every bucket is in.
+        stream = not state.unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
         for b, fut in enumerate(self._futures):
             value = fut.wait()
             if isinstance(value, (list, tuple)):
                 value = value[0]
             if isinstance(value, torch.Tensor) and value.data_ptr() != self._bufs[b].data_ptr():
                 self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
+            if stream:
+                self._write_back(b, frozenset())
         globally_unused = set()
         if state.unused and self._static_globally_unused is not None:
             globally_unused = self._static_globally_unused
@@ -532,39 +538,41 @@ class DistributedDataParallel(nn.Module, Joinable):
             globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
             if self.static_graph:
                 self._static_globally_unused = globally_unused
-        if self._comm_hook_owns_grads:
+        if stream:
+            pass  # written back above
+        elif self._comm_hook_owns_grads:
             pass  # a ZeRO-2 hook keeps only its gradient slice: .grad stays None
         elif self.gradient_as_bucket_view:
             for i, (p, view) in enumerate(zip(self._params, self._views)):
                 if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                     p.grad = view
         else:
-            self._write_back(globally_unused)
+            for b in range(len(self.bucket_plan.buckets)):
+                self._write_back(b, globally_unused)
         if self._last_order is None:
             self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
                 if self.static_graph else state.ready_order
         self._futures = []
         self._expect_hooks = False
 
-    def _write_back(self, skip: set[int]) -> None:
-        """Reduced buckets into ``param.grad`` (torch's copy_bucket_to_grad), in as few calls as
-        possible: one kernel launch per bucket on CUDA (hybrid.kernels), one foreach copy on CPU."""
-        params, views = self._params, self._views
+    def _write_back(self, b: int, skip: Set[int]) -> None:
+        """Reduced bucket ``b`` into its parameters' ``.grad`` (torch's copy_bucket_to_grad), in
+        one call: a kernel launch on CUDA (hybrid.kernels), a foreach copy on CPU."""
+        params, views, members = self._params, self._views, self.bucket_plan.buckets[b].members
+        grads = [params[m].grad for m in members]
+        if (self._kernel_copy and not skip.intersection(members)
+                and all(g is not None and g.is_contiguous() for g in grads)):
+            kernels.scatter(self.bucket_plan, b, self._bufs[b], [p.grad for p in params], backend="cuda")
+            return
         dst, src = [], []
-        for b, bucket in enumerate(self.bucket_plan.buckets):
-            grads = [params[m].grad for m in bucket.members]
-            if (self._kernel_copy and not skip.intersection(bucket.members)
-                    and all(g is not None and g.is_contiguous() for g in grads)):
-                kernels.scatter(self.bucket_plan, b, self._bufs[b], [p.grad for p in params], backend="cuda")
+        for m, g in zip(members, grads):
+            if m in skip:
                 continue
-            for m, g in zip(bucket.members, grads):
-                if m in skip:
-                    continue
-                if g is None:
-                    params[m].grad = views[m].clone()
-                else:
-                    dst.append(g)
-                    src.append(views[m])
+            if g is None:
+                params[m].grad = views[m].clone()
+            else:
+                dst.append(g)
+                src.append(views[m])
         if dst:
             torch._foreach_copy_(dst, src)
 
