@@ -142,6 +142,9 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
     numels = [p.numel() for p in params]
     greedy = runs["hybrid_zero1"][2].partition.numel_per_rank()
     result = {"rank": rank, "memory": memory, "times": {k: statistics.median(v) for k, v in times.items()},
+              # per-round ratios of neighbouring steps: robust to drift across the run
+              "paired": {k: statistics.median(a / b for a, b in zip(v, times["torch_zero1"]))
+                         for k, v in times.items()},
               "numel": sum(numels), "num_tensors": len(numels), "greedy_numel_per_rank": greedy,
               "zero2_buckets": runs["hybrid_zero2"][1].bucket_plan.num_buckets}
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -152,11 +155,11 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench zero", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25)")
     parser.add_argument("--widths", type=str, default=None,
                         help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
     args = parser.parse_args(argv)
-    reps = args.reps or (3 if args.quick else 15)
+    reps = args.reps or (3 if args.quick else 25)
     default = "256,384,192,256" if args.quick else "1536,2048,1024,1536,768"
     widths = tuple(int(w) for w in (args.widths or default).split(","))
     if len(widths) < 2 or min(widths) < 1:
@@ -192,7 +195,9 @@ def main(argv: list[str]) -> int:
 
     t = r0["times"]
     print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
+    paired = r0["paired"]
     rows = [[name, round(t[name] * 1e3, 2), round(t[name] / t["ddp_adam"], 3),
-             round(t[name] / t["torch_zero1"], 3)] for name in VARIANTS]
-    print(format_table(["variant", "ms", "/ ddp_adam", "/ torch_zero1"], rows))
+             round(t[name] / t["torch_zero1"], 3), round(paired[name], 3)] for name in VARIANTS]
+    print(format_table(["variant", "ms", "/ ddp_adam", "/ torch_zero1", "paired / torch_zero1"], rows))
+    print("paired = median over rounds of (this variant's step / torch_zero1's step in the same round)")
     return 0
