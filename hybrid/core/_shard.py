@@ -63,6 +63,23 @@ class ParamPartition:
     def bytes_per_rank(self) -> list[int]:
         return [sum(self.specs[i].nbytes for i in self.owned(r)) for r in range(self.world_size)]
 
+    def broadcast_order(self) -> tuple[int, ...]:
+        """The order in which the ranks' shares are broadcast after a step: lightest share first
+        (fewest elements, then lowest rank).
+
+        Every rank issues the broadcasts in this one order. A rank can post its receives for the
+        shares ahead of its own before stepping, so the lighter ranks, which finish their step
+        first, send while the heavier ones are still stepping.
+
+        >>> from hybrid.core import TensorSpec, partition_params
+        >>> specs = [TensorSpec(name, (n,), "float32") for name, n in [("a", 10), ("b", 3), ("c", 2)]]
+        >>> part = partition_params(specs, 2)
+        >>> part.numel_per_rank(), part.broadcast_order()  # rank 1 steps 5 elements, rank 0 10
+        ([10, 5], (1, 0))
+        """
+        loads = self.numel_per_rank()
+        return tuple(sorted(range(self.world_size), key=lambda r: (loads[r], r)))
+
     def to_json(self) -> dict:
         return {"kind": "ParamPartition", "specs": [s.to_json() for s in self.specs],
                 "world_size": self.world_size, "groups": [list(g) for g in self.groups],

@@ -98,3 +98,14 @@ def test_bucket_assignment_matches_ddp_zero_hook(fake_world, world_size, shard_b
     got = [sorted((s.bucket, s.start, list(plan.buckets[s.bucket].members[s.start:s.stop])) for s in rank)
            for rank in ours.per_rank]
     assert got == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(world_size=st.integers(1, 5), sizes=st.lists(st.integers(0, 50), min_size=0, max_size=12))
+def test_broadcast_order_is_every_rank_lightest_share_first(world_size, sizes):
+    # Not torch's (it broadcasts in rank order): every rank must derive the same permutation.
+    _, partition = hybrid_partition([sizes], world_size)
+    order = partition.broadcast_order()
+    loads = partition.numel_per_rank()
+    assert sorted(order) == list(range(world_size))
+    assert [(loads[r], r) for r in order] == sorted((loads[r], r) for r in range(world_size))
