@@ -124,7 +124,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ``torch.distributed.optim.ZeroRedundancyOptimizer``: each rank's local optimizer holds state
     only for the parameters :func:`hybrid.core.partition_params` gives it; after the local step
     every rank broadcasts its updated parameters (one flat bucket per rank and (dtype, device)
-    when ``parameters_as_bucket_view=True``).
+    when ``parameters_as_bucket_view=True``). Beyond torch, the shares are broadcast lightest
+    first (``partition.broadcast_order()``) and a rank posts its receives for the shares ahead of
+    its own before stepping, so those broadcasts overlap its optimizer step (not when ``step`` is
+    given a closure; the local optimizer's ``step`` must not itself use the process group).
 
     Args:
       params: tensors or parameter-group dicts, all of one dense type.
@@ -250,6 +253,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._params]
 
+    _broadcast_order: tuple = (None, ())
+
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step the local optimizer on this rank's share, then broadcast every rank's share.
 
@@ -267,16 +272,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._build_param_buckets()
         # Schedulers and users edit self.param_groups; the local optimizer must see it.
         _sync_param_groups(self.param_groups, self.optim.param_groups)
+        if self._broadcast_order[0] is not self.partition:  # recomputed when add_param_group repartitions
+            self._broadcast_order = (self.partition, self.partition.broadcast_order())
+        order = self._broadcast_order[1]
+        # Receives for the shares ahead of ours go out before our step, so the lighter ranks'
+        # broadcasts overlap our optimizer work. Not with a closure: it may run DDP's backward,
+        # whose all-reduces must not queue behind a broadcast that its sender issues after them.
+        ahead = order[:order.index(self.rank)] if closure is None else ()
+        handles = self._broadcast_shares(ahead)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         _sync_param_groups(self.optim.param_groups, self.param_groups)
-        self._sync_params()
+        handles += self._broadcast_shares(order[len(ahead):])
+        for h in handles:
+            h.wait()
         return loss
 
-    def _sync_params(self) -> None:
-        """Every rank broadcasts its share: per bucket with bucket views, else per parameter."""
+    def _broadcast_shares(self, ranks) -> list:
+        """Start the broadcasts of these ranks' shares (each from its owner): one per bucket with
+        bucket views, else one per parameter. Every rank starts them in the same order."""
         params = self._params
         handles = []
-        for rank in range(self.world_size):
+        for rank in ranks:
             src = dist.get_global_rank(self.process_group, rank)
             if self.parameters_as_bucket_view:
                 tensors = self._buckets[rank]
@@ -284,8 +300,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 tensors = [params[i].data for i in self.partition.owned(rank)]
             handles.extend(dist.broadcast(t, src=src, group=self.process_group, async_op=True)
                            for t in tensors)
-        for h in handles:
-            h.wait()
+        return handles
 
     def _build_param_buckets(self) -> None:
         """Point every trainable parameter's ``.data`` into its owner's flat bucket.
