@@ -99,8 +99,18 @@ def available() -> bool:
     return torch is not None and torch.cuda.is_available()
 
 
-def _backend(backend: str | None, on_cuda: bool) -> str:
-    """``"cuda"`` or ``"reference"`` for this call."""
+def resolve_backend(backend: str | None, *, on_cuda: bool) -> str:
+    """Which copy path a call takes: ``"cuda"`` (the kernels) or ``"reference"``.
+
+    ``backend`` is ``"auto"``, ``"cuda"``, ``"reference"`` or None (``$HYBRID_KERNELS``, else
+    ``"auto"``); ``on_cuda`` says whether the tensors live on a CUDA device. ``auto`` picks the
+    kernels when they can run; a forced ``cuda`` that cannot run raises ``RuntimeError`` saying why.
+
+    >>> resolve_backend("auto", on_cuda=False)
+    'reference'
+    >>> resolve_backend("reference", on_cuda=True)
+    'reference'
+    """
     chosen = backend if backend is not None else os.environ.get("HYBRID_KERNELS", "auto")
     if chosen not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {chosen!r}")
@@ -362,7 +372,7 @@ def gather(plan: BucketPlan, bucket_index: int, tensors: Sequence, out=None, *, 
     _check_cast(bucket.dtype, canonical_dtype(dtype), scale)
     gather_bucket, gather_bucket_, _ = _torch_ops()
     on_cuda = members[0].device.type == "cuda"
-    if _backend(backend, on_cuda) == "reference":
+    if resolve_backend(backend, on_cuda=on_cuda) == "reference":
         if out is None:
             out = torch.empty(bucket.length, dtype=dtype, device=members[0].device)
         _torch_gather_reference(members, out, list(bucket.offsets), scale)
@@ -408,7 +418,7 @@ def scatter(plan: BucketPlan, bucket_index: int, flat, tensors: Sequence | None 
     _check_cast(canonical_dtype(flat.dtype), canonical_dtype(outs[0].dtype), scale)
     flat = flat.contiguous()
     _, _, scatter_bucket_ = _torch_ops()
-    if _backend(backend, flat.device.type == "cuda") == "reference":
+    if resolve_backend(backend, on_cuda=flat.device.type == "cuda") == "reference":
         _torch_scatter_reference(flat, outs, list(bucket.offsets), scale)
     else:
         scatter_bucket_(flat, outs, list(bucket.offsets), scale)
@@ -425,9 +435,14 @@ def _register_ffi() -> None:
     jax.ffi.register_ffi_target("hybrid_scatter", jax.ffi.pycapsule(lib.HybridScatter), platform="CUDA")
 
 
-def _jax_backend(backend: str | None) -> str:
+def resolve_jax_backend(backend: str | None) -> str:
+    """:func:`resolve_backend` for JAX arrays: on CUDA when JAX's default backend is a GPU.
+
+    >>> resolve_jax_backend("reference")
+    'reference'
+    """
     import jax
-    return _backend(backend, jax.default_backend() == "gpu")
+    return resolve_backend(backend, on_cuda=jax.default_backend() == "gpu")
 
 
 def _jax_scaled(x, dtype, scale):
@@ -455,7 +470,7 @@ def jax_gather(plan: BucketPlan, bucket_index: int, arrays: Sequence, *, scale: 
     bucket = plan.buckets[bucket_index]
     dtype = jnp.dtype(members[0].dtype if out_dtype is None else out_dtype)
     _check_cast(bucket.dtype, canonical_dtype(dtype), scale)
-    if _jax_backend(backend) == "cuda":
+    if resolve_jax_backend(backend) == "cuda":
         _register_ffi()
         call = jax.ffi.ffi_call("hybrid_gather", jax.ShapeDtypeStruct((bucket.length,), dtype))
         return call(*members, offsets=np.asarray(bucket.offsets, np.int64),
@@ -492,7 +507,7 @@ def jax_scatter(plan: BucketPlan, bucket_index: int, flat, *, scale: float | Non
     dtype = jnp.dtype(flat.dtype if out_dtype is None else out_dtype)
     _check_cast(canonical_dtype(flat.dtype), canonical_dtype(dtype), scale)
     shapes = [plan.specs[m].shape for m in bucket.members]
-    if _jax_backend(backend) == "cuda":
+    if resolve_jax_backend(backend) == "cuda":
         _register_ffi()
         call = jax.ffi.ffi_call("hybrid_scatter", [jax.ShapeDtypeStruct(s, dtype) for s in shapes])
         outs = call(flat, offsets=np.asarray(bucket.offsets, np.int64),

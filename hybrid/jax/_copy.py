@@ -28,7 +28,7 @@ def use_kernels(copy_backend: str | None) -> bool:
     never, ``cuda`` always (a RuntimeError where they cannot run). Decided at trace time, once per
     compiled step.
     """
-    return kernels._jax_backend(copy_backend) == "cuda"
+    return kernels.resolve_jax_backend(copy_backend) == "cuda"
 
 
 @functools.lru_cache(maxsize=64)

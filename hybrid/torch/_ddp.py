@@ -113,7 +113,7 @@ def _bucket_copy_backend(device: torch.device) -> str:
     """
     if device.type != "cuda":
         return "reference"
-    return kernels._backend(None, on_cuda=True)
+    return kernels.resolve_backend(None, on_cuda=True)
 
 
 def _unsupported(name, value, default):
@@ -127,10 +127,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
     one-bucket-per-dtype plan, then the plan rebuilt from the first iteration's ready order).
 
-    >>> import os, torch.distributed as dist
-    >>> os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29533")
-    '...'
-    >>> dist.init_process_group("gloo", rank=0, world_size=1)
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     >>> ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
     >>> ddp(torch.ones(3, 4)).sum().backward()
     >>> ddp.module.weight.grad.shape, ddp.bucket_plan.num_buckets

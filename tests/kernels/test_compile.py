@@ -65,7 +65,7 @@ def test_jax_ffi_targets_register_and_lower_for_cuda(cuda_lib_path, monkeypatch,
     from hybrid.core import TensorSpec, plan_buckets
     monkeypatch.setenv("HYBRID_KERNELS_LIB", str(cuda_lib_path))
     kernels._library.cache_clear()
-    monkeypatch.setattr(kernels, "_jax_backend", lambda backend: "cuda")
+    monkeypatch.setattr(kernels, "resolve_jax_backend", lambda backend: "cuda")
     try:
         plan = plan_buckets([TensorSpec("a", (3,), "float32"), TensorSpec("b", (2, 2), "float32")], alignment=4)
         gather = jax.jit(lambda xs: kernels.jax_gather(plan, 0, xs, scale=scale, out_dtype=out_dtype))
