@@ -1,0 +1,13 @@
+"""The runnable examples in the JAX frontend's docstrings must run."""
+
+import doctest
+import importlib
+
+import pytest
+
+
+@pytest.mark.parametrize("name", ["hybrid.jax._all_reduce", "hybrid.jax._clip", "hybrid.jax._grad",
+                                  "hybrid.jax._specs", "hybrid.jax._zero"])
+def test_module_doctests(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
