@@ -7,7 +7,8 @@ and timed per repetition; medians and their ratios are printed:
 1. data-parallel SGD on a ~10M-parameter MLP (3 buckets at DDP's 25 MiB / 1 MiB caps) with a
    global batch of 1024 rows, so the step does the forward and backward work of training rather
    than only moving gradients: per-leaf ``pmean`` (the baseline) against ``bucketed_all_reduce``.
-   ``--breakdown`` adds a step without any reduction (the compute floor).
+   ``--breakdown`` adds a step without any reduction (the compute floor) and one that packs and
+   unpacks the buckets without reducing them (what the copies alone cost).
 2. ZeRO stage 1 and 2 against unsharded adam on a 4.2M-parameter MLP, and their state bytes.
 
 The optimized HLO of the two SGD steps is summarised too (collectives after XLA's all-reduce
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=1024, help="SGD model: global batch (split over devices)")
     parser.add_argument("--reps", type=int, default=15, help="SGD measurement: interleaved repetitions")
     parser.add_argument("--steps", type=int, default=1, help="SGD measurement: steps timed per repetition")
-    parser.add_argument("--breakdown", action="store_true", help="also time a step without reduction")
+    parser.add_argument("--breakdown", action="store_true", help="also time steps without reduction, with and without packing")
     parser.add_argument("--zero-width", type=int, default=512)
     parser.add_argument("--zero-depth", type=int, default=16)
     parser.add_argument("--zero-batch", type=int, default=64)
@@ -178,6 +179,20 @@ def main(argv: list[str]) -> int:
             return jax.lax.pmean(u, axis), s
         return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
+    def pack_only():  # bucketed_all_reduce without its collective: what packing alone costs
+        from hybrid.core import pack, unpack
+        from hybrid.jax._specs import _Layout
+
+        def update(u, s, p=None):
+            del p
+            layout = _Layout.of(u, what="bench", order=None, bucket_cap_bytes=25 << 20,
+                                first_bucket_cap_bytes=1 << 20)
+            arrays, out = layout.spec_arrays(u), {}
+            for b in range(layout.plan.num_buckets):
+                out.update(unpack(layout.plan, b, pack(layout.plan, b, arrays)))
+            return layout.unflatten(out), s
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
     def batch(rows, width):
         return jnp.asarray(np.random.default_rng(1).normal(size=(rows, width)).astype(np.float32))
 
@@ -189,6 +204,7 @@ def main(argv: list[str]) -> int:
                 "bucketed_sgd": (optax.chain(hj.bucketed_all_reduce("dp"), optax.sgd(1e-3)), True)}
     if args.breakdown:
         variants["local_sgd"] = (optax.sgd(1e-3), False)
+        variants["pack_only_sgd"] = (optax.chain(pack_only(), optax.sgd(1e-3)), False)
     steps, states = _compile(variants, params, x, mesh)
     times, cpu = _run_interleaved(steps, states, x, args.reps, args.steps)
     print(f"bench jax: 4 host devices ({devices[0].platform}), {os.cpu_count()} CPU cores")
@@ -202,7 +218,8 @@ def main(argv: list[str]) -> int:
           f"of CPU time {cpu_med['bucketed_sgd'] / cpu_med['psum_sgd']:.3f}")
     if args.breakdown:
         print(f"  reduction cost (psum - local)   : {(med['psum_sgd'] - med['local_sgd']) * 1e3:.2f} ms; "
-              f"bucketing overhead (bucketed - psum): {(med['bucketed_sgd'] - med['psum_sgd']) * 1e3:.2f} ms")
+              f"bucketing overhead (bucketed - psum): {(med['bucketed_sgd'] - med['psum_sgd']) * 1e3:.2f} ms; "
+              f"pack + unpack alone (pack_only - local): {(med['pack_only_sgd'] - med['local_sgd']) * 1e3:.2f} ms")
     for name in ("psum_sgd", "bucketed_sgd"):
         print(f"  optimized HLO {name:12s}: {_hlo_summary(steps[name].as_text())}")
     del steps, states
