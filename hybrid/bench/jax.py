@@ -189,7 +189,10 @@ def main(argv: list[str]) -> int:
                                 first_bucket_cap_bytes=1 << 20)
             arrays, out = layout.spec_arrays(u), {}
             for b in range(layout.plan.num_buckets):
-                out.update(unpack(layout.plan, b, pack(layout.plan, b, arrays)))
+                # The barrier stands in for the collective: without it XLA folds slice(concat)
+                # back into the leaves and nothing is copied.
+                flat = jax.lax.optimization_barrier(pack(layout.plan, b, arrays))
+                out.update(unpack(layout.plan, b, flat))
             return layout.unflatten(out), s
         return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
