@@ -254,6 +254,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return [p.requires_grad for p in self._params]
 
     _broadcast_order: tuple = (None, ())
+    # overlap_with_ddp: state loaded before the hook assigned its buckets, {global index: state}
+    _overlap_pending_state: dict = {}
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step the local optimizer on this rank's share, then broadcast every rank's share.
@@ -329,21 +331,36 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # -- state dicts ----------------------------------------------------------------------------
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collect every rank's local optimizer state on rank ``to`` (call it on all ranks)."""
+        """Collect every rank's local optimizer state on rank ``to`` (call it on all ranks).
+
+        With ``overlap_with_ddp=True`` the state lives in the overlap hook's per-bucket
+        optimizers; it is collected from there, in the same global format.
+        """
         _sync_param_groups(self.param_groups, self.optim.param_groups)
         cpu = torch.device("cpu")
+        local = self._overlap_local_state if self._overlap_with_ddp else self.optim.state_dict
         self._all_state_dicts = []
         for rank in range(self.world_size):
             if rank == to:
                 if self.rank == to:
-                    self._all_state_dicts.append(_copy_to_device(self.optim.state_dict(), cpu))
+                    self._all_state_dicts.append(_copy_to_device(local(), cpu))
                 continue
             # Broadcast (not gather) as torch does: NCCL has no object gather that is safe here.
-            box = [_copy_to_device(self.optim.state_dict(), cpu) if rank == self.rank else None]
+            box = [_copy_to_device(local(), cpu) if rank == self.rank else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.process_group, rank),
                                        group=self.process_group, device=self._default_device)
             if self.rank == to:
                 self._all_state_dicts.append(box[0])
+
+    def _overlap_local_state(self) -> dict[str, Any]:
+        """This rank's overlap state as ``{"state": {global index: state}}`` (no param groups:
+        the hook's optimizers take theirs from this optimizer's one group)."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        state = dict(self._overlap_pending_state)  # loaded, not yet handed to the hook
+        runtime = getattr(self, "_overlap_runtime", None)
+        for opt in (runtime.optims.values() if runtime is not None else ()):
+            state.update((index[id(p)], dict(s)) for p, s in opt.state.items())
+        return {"state": state}
 
     def state_dict(self) -> dict[str, Any]:
         """The global state (torch's format, global indices) last consolidated on this rank."""
@@ -353,6 +370,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"Please call `consolidate_state_dict(to={self.rank})` on "
                 "all ranks beforehand if you meant to save the global state.")
         state_dict = super().state_dict()
+        if self._overlap_with_ddp:
+            for local in self._all_state_dicts:
+                state_dict["state"].update(local["state"])
+            state_dict["state"] = dict(sorted(state_dict["state"].items()))
+            return state_dict
         for rank, local in enumerate(self._all_state_dicts):
             owned_per_group = self.partition.per_rank[rank]
             assert len(local["param_groups"]) == len(owned_per_group)
@@ -370,7 +392,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         This rank keeps only the state of the parameters it owns; ``state_dict`` is not modified.
         """
         params = self._params
-        owned = set(self.partition.owned(self.rank))
+        if self._overlap_with_ddp:
+            self._load_overlap_state(state_dict["state"])
+        owned = set(self.partition.owned(self.rank)) if not self._overlap_with_ddp else set()
         for index, value in state_dict["state"].items():
             if index in owned and value is not None:
                 param = params[index]
@@ -383,6 +407,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         super().load_state_dict({**state_dict, "state": {i: None for i in state_dict["state"]}})
         _sync_param_groups(state_dict["param_groups"], self.param_groups)
         _sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    def _load_overlap_state(self, states: dict[int, Any]) -> None:
+        """Hand loaded state to the overlap hook's optimizers (each keeps what its bucket slice
+        owns), or keep it for the hook's first plan if it has not assigned buckets yet."""
+        params = self._params
+        loaded = {}
+        for index, value in states.items():
+            if value is not None:
+                local = _copy_to_device(value, params[index].device)
+                # torch keeps zero-dimensional state (Adam's "step") on the CPU.
+                loaded[index] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in local.items()}
+        runtime = getattr(self, "_overlap_runtime", None)
+        if runtime is None or runtime.plan is None:
+            self._overlap_pending_state = loaded
+            return
+        index = {id(p): i for i, p in enumerate(params)}
+        for opt in runtime.optims.values():
+            opt.state.clear()  # as torch's load_state_dict: state not in the dict is dropped
+            for p in opt.param_groups[0]["params"]:
+                if index[id(p)] in loaded:
+                    opt.state[p] = loaded[index[id(p)]]
+        self._overlap_pending_state = {}
 
     # -- Join -----------------------------------------------------------------------------------
 

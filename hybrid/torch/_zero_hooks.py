@@ -75,7 +75,12 @@ class _Overlap:
         plan = self.ddp.bucket_plan
         if plan is self.plan:
             return
-        old = self._state_per_param() if self.plan is not None else {}
+        if self.plan is not None:
+            old = self._state_per_param()
+        else:  # state loaded into the ZeroRedundancyOptimizer before the first backward
+            zero_params = self.zero._params
+            old = {self.ddp._index_of[id(zero_params[i])]: s for i, s in self.zero._overlap_pending_state.items()}
+            self.zero._overlap_pending_state = {}
         # One rank owns everything anyway; the core's shard_buckets rule would cut a bucket into
         # two runs for a single rank (torch then overwrites the first run's assignment).
         shard = self.shard_buckets and self.world_size > 1

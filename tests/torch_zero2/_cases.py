@@ -13,6 +13,7 @@ import copy
 import functools
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -283,6 +284,58 @@ def _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"step {step}: {name}")
 
 
+def overlap_state_dicts(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: str) -> None:
+    """With overlap, the consolidated state_dict equals the plain optimizer's (torch's format);
+    loading a perturbed one, into the running hook and into a fresh one before its first
+    backward, keeps parameters at parity with the plain optimizer loaded the same way."""
+    cls, kwargs = OPTIMIZERS["adam"]
+
+    def overlapped(model):
+        ddp_module = DistributedDataParallel(model, **DDP_OPTIONS[ddp])
+        zero = ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **kwargs)
+        ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero,
+                                                        shard_buckets=shard_buckets))
+        return ddp_module, zero
+
+    base = make_model()
+    model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
+    ddp_module, zero = overlapped(model)
+    ref_ddp, ref_opt = TorchDDP(ref_model, **DDP_OPTIONS[ddp]), cls(ref_model.parameters(), **kwargs)
+    with pytest.raises(RuntimeError, match="has not been consolidated"):
+        zero.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-bucket plan's shard_buckets fallback
+        _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model)
+    zero.consolidate_state_dict(to=world_size - 1)
+    ref = ref_opt.state_dict()
+    if rank == world_size - 1:
+        ours = zero.state_dict()
+        assert sorted(ours["state"]) == sorted(ref["state"]), (sorted(ours["state"]), sorted(ref["state"]))
+        for i, st in ref["state"].items():
+            assert sorted(ours["state"][i]) == sorted(st), (i, sorted(ours["state"][i]), sorted(st))
+            for k, v in st.items():
+                torch.testing.assert_close(ours["state"][i][k], v, rtol=RTOL, atol=ATOL, msg=f"state[{i}][{k!r}]")
+        assert ours["param_groups"] == ref["param_groups"]
+    for st in ref["state"].values():  # perturbed, so that only a real load keeps parity
+        for k, v in st.items():
+            if k != "step":
+                v.mul_(0.5)
+    # torch's load_state_dict keeps the dict's tensors as its state: each plain optimizer gets a copy.
+    ref_opt.load_state_dict(copy.deepcopy(ref))
+    zero.load_state_dict(ref)  # into the running hook
+    fresh_model = copy.deepcopy(model)
+    fresh_ddp, fresh_zero = overlapped(fresh_model)
+    fresh_zero.load_state_dict(ref)  # before the hook has seen a backward
+    fresh_ref = copy.deepcopy(ref_model)
+    fresh_ref_ddp = TorchDDP(fresh_ref, **DDP_OPTIONS[ddp])
+    fresh_ref_opt = cls(fresh_ref.parameters(), **kwargs)
+    fresh_ref_opt.load_state_dict(copy.deepcopy(ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model)
+        _overlap_steps(rank, fresh_ddp, fresh_ref_ddp, fresh_zero, fresh_ref_opt, fresh_model, fresh_ref)
+
+
 def overlap_step_is_a_no_op(rank: int, world_size: int) -> None:
     """With overlap_with_ddp=True, ZeroRedundancyOptimizer.step() changes nothing (torch's contract)."""
     model = make_model()
@@ -299,3 +352,7 @@ CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}]":
 CASES.update({f"overlap[{h}-whole-two_buckets-sgd_momentum]": functools.partial(
     overlap, hook=h, shard_buckets=False, ddp="two_buckets", optim="sgd_momentum") for h in HOOKS})
 CASES["overlap_step_is_a_no_op"] = overlap_step_is_a_no_op
+CASES.update({f"overlap_state_dicts[{h}-{'shard' if s else 'whole'}-{d}]": functools.partial(
+    overlap_state_dicts, hook=h, shard_buckets=s, ddp=d)
+    for h, s, d in (("step", False, "default"), ("interleaved", True, "three_buckets_view"),
+                    ("step", True, "four_buckets"))})
