@@ -499,15 +499,25 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._comm_hook is None:
             fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
         else:
-            state, hook = self._comm_hook
-            members = self.bucket_plan.buckets[b].members
-            bucket = GradBucket(b, buf, [self._views[m] for m in members],
-                                [self._params[m] for m in members], self._bucket_is_last[b])
-            fut = hook(state, bucket)
-            if not isinstance(fut, torch._C.Future):  # torch.futures.Future and get_future()'s C type
-                raise RuntimeError("Communication hook: callback must return a torch.futures.Future "
-                                   f"object, but got {type(fut).__name__}.")
+            fut = self._run_comm_hook(b, buf)
         self._futures.append(fut)
+
+    def _run_comm_hook(self, b: int, buf: torch.Tensor):
+        """The registered comm hook on bucket ``b`` with ``buf`` as its flat buffer (DDP's own
+        buffer, or zeros when a joined rank shadows the others' backward)."""
+        state, hook = self._comm_hook
+        spec = self.bucket_plan.buckets[b]
+        if buf is self._bufs[b]:
+            views = [self._views[m] for m in spec.members]
+        else:
+            views = [buf[o:o + n].view(self._params[m].shape)
+                     for m, o, n in zip(spec.members, spec.offsets, spec.numels)]
+        bucket = GradBucket(b, buf, views, [self._params[m] for m in spec.members], self._bucket_is_last[b])
+        fut = hook(state, bucket)
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future and get_future()'s C type
+            raise RuntimeError("Communication hook: callback must return a torch.futures.Future "
+                               f"object, but got {type(fut).__name__}.")
+        return fut
 
     def _finalize(self) -> None:
         state = self._state
@@ -651,8 +661,14 @@ class _JoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
-        works = [dist.all_reduce(torch.zeros_like(buf), group=ddp.process_group, async_op=True)
-                 for buf in ddp._bufs]
+        if ddp._comm_hook is None:
+            works = [dist.all_reduce(torch.zeros_like(buf), group=ddp.process_group, async_op=True)
+                     for buf in ddp._bufs]
+        else:
+            # torch's _match_all_reduce_for_bwd_pass: the hook runs on zero buckets, so that a
+            # hook whose collectives are not one all-reduce of the bucket (fp16 compression,
+            # PowerSGD, ZeRO2's reduce-scatter) is matched collective for collective.
+            works = [ddp._run_comm_hook(b, torch.zeros_like(buf)) for b, buf in enumerate(ddp._bufs)]
         for w in works:
             w.wait()
         if ddp.find_unused_parameters and not ddp.static_graph:

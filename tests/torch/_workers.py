@@ -134,6 +134,10 @@ CASES = {
     "join": ("mlp", {}, {"uneven": True}),
     "join_no_divide": ("mlp", {}, {"uneven": True, "divide_by_initial_world_size": False}),
     "join_conv_bn": ("conv_bn", {}, {"uneven": True}),
+    # A joined rank runs the comm hook on zero buckets (torch's _match_all_reduce_for_bwd_pass):
+    # the fp16 hook's collective differs from a plain all-reduce in dtype and size.
+    "join_hook_fp16": ("wide", {"bucket_cap_mb": 0.01}, {"uneven": True, "hook": "fp16_compress_hook"}),
+    "join_hook_record": ("wide", {"bucket_cap_mb": 0.01}, {"uneven": True, "hook": "record"}),
 }
 
 STEPS = 4
