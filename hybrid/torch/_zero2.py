@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
@@ -40,7 +41,20 @@ def _take(shards: FlatShardPlan, b: int, rank: int, full: dict[int, torch.Tensor
     return out
 
 
-class ZeRO2(Optimizer):
+class _ZeRO2JoinHook(JoinHook):
+    """A joined rank's shadow of ``step()``: DDP's join hook has already run the ZeRO2 comm hook
+    on zero buckets, so this rank holds the others' reduced gradients for its slices; it updates
+    them and takes part in the parameter gather, then drops the slices (nobody calls zero_grad)."""
+
+    def __init__(self, zero: "ZeRO2"):
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+        self.zero.zero_grad(set_to_none=True)
+
+
+class ZeRO2(Optimizer, Joinable):
     """Any ``torch.optim`` optimizer with gradients and state sharded flat over the DDP's ranks.
 
     Registers a comm hook on ``module`` (a :class:`hybrid.torch.DistributedDataParallel`) that
@@ -51,7 +65,9 @@ class ZeRO2(Optimizer):
     the parameters, so every rank ends the step with the same full model, as DDP + the plain
     optimizer would. Works from the first iteration; when DDP rebuilds its buckets (after the
     first iteration) the optimizer state is re-sliced to the new layout at the next ``step()``.
-    The parameters' ``.data`` become views into one padded flat buffer per bucket.
+    The parameters' ``.data`` become views into one padded flat buffer per bucket. Uneven inputs:
+    ``Join([ddp, zero2])``, as with torch's ZeroRedundancyOptimizer (a joined rank still updates
+    its slices and sends them).
 
     Args:
       module: the DDP-wrapped model; its process group is the one sharded over.
@@ -92,6 +108,7 @@ class ZeRO2(Optimizer):
             # torch's optimizers skip a parameter whose .grad is None; a flat slice cannot skip
             # part of itself, so an unused parameter would see a zero gradient instead.
             raise NotImplementedError("ZeRO2 does not support find_unused_parameters=True")
+        Joinable.__init__(self)
         self._ddp = module
         self.process_group = module.process_group
         self.world_size = dist.get_world_size(self.process_group)
@@ -427,6 +444,7 @@ class ZeRO2(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Update this rank's slices with the inner optimizer, then all-gather the parameters."""
+        Join.notify_join_context(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -441,6 +459,21 @@ class ZeRO2(Optimizer):
             master.grad = None
         self._all_gather_params()
         return loss
+
+    # -- Join -----------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that lets a rank that ran out of inputs keep stepping with the others."""
+        del kwargs  # no options
+        return _ZeRO2JoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
 
     def _all_gather_params(self) -> None:
         """Every rank's updated slices into every rank's flat parameter buffers (in place)."""

@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -206,6 +207,30 @@ def scheduler_per_group(rank: int, world_size: int) -> None:
         pair.check(f"step {step}")
 
 
+def join(rank: int, world_size: int, *, optim: str, ddp: str, flat: bool = False) -> None:
+    """Uneven inputs (rank r runs NUM_STEPS + r batches) under ``Join([ddp, zero2])`` equal torch
+    DDP + the plain optimizer under ``ddp.join()`` (joined ranks contribute zeros, divided by the
+    initial world size), and every rank ends with the same parameters."""
+    pair = Pair(optim, DDP_OPTIONS[ddp], flat=flat)
+    steps = NUM_STEPS + rank
+    with Join([pair.ddp, pair.opt]):
+        for step in range(steps):
+            pair.ddp(batch(rank, step)).pow(2).mean().backward()
+            pair.opt.step()
+            pair.opt.zero_grad()
+    with pair.ref_ddp.join():
+        for step in range(steps):
+            pair.ref_ddp(batch(rank, step)).pow(2).mean().backward()
+            pair.ref_opt.step()
+            pair.ref_opt.zero_grad()
+    pair.check("after Join")
+    flat_params = torch.cat([p.detach().reshape(-1) for p in pair.model.parameters()])
+    everyone = [torch.empty_like(flat_params) for _ in range(world_size)]
+    dist.all_gather(everyone, flat_params)
+    for r, other in enumerate(everyone):
+        assert torch.equal(other, flat_params), f"after Join, rank {r}'s parameters differ from rank {rank}'s"
+
+
 def ranks_agree(rank: int, world_size: int) -> None:
     """After a step every rank holds the same parameters (the all-gather really ran)."""
     pair = Pair("adam", {"bucket_cap_mb": 0.0002})
@@ -239,6 +264,9 @@ CASES.update({f"state_dicts[{o}-{d}-two_groups]": functools.partial(state_dicts,
               for o, d in (("adamw", "three_buckets_view"), ("sgd_momentum", "four_buckets"))})
 CASES["scheduler_per_group"] = scheduler_per_group
 CASES["ranks_agree"] = ranks_agree
+CASES.update({f"join[{o}-{d}{'-flat_collectives' if f else ''}]": functools.partial(join, optim=o, ddp=d, flat=f)
+              for o, d, f in (("adam", "default", False), ("sgd_momentum", "three_buckets_view", False),
+                              ("adamw", "two_buckets", True))})
 
 
 # ---- the ZeRO step overlapped with backward (hook_with_zero_step / _interleaved) ----------------
