@@ -114,6 +114,10 @@ class _ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
+        if self.zero._overlap_with_ddp:
+            # The step runs in the DDP comm hook, which DDP's join hook already ran on zero
+            # buckets: this rank has stepped and sent its share.
+            return
         self.zero.step()
 
 

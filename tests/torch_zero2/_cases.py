@@ -364,6 +364,33 @@ def overlap_state_dicts(rank: int, world_size: int, *, hook: str, shard_buckets:
         _overlap_steps(rank, fresh_ddp, fresh_ref_ddp, fresh_zero, fresh_ref_opt, fresh_model, fresh_ref)
 
 
+def overlap_join(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: str) -> None:
+    """Uneven inputs (rank r runs NUM_STEPS + r batches) under ``Join([ddp, zero])`` with the step in
+    the hook: a joined rank's DDP runs the hook on zero buckets, so it still steps and sends its
+    share; equal to torch DDP + the plain optimizer under ``ddp.join()``."""
+    cls, kwargs = OPTIMIZERS["adam"]
+    base = make_model()
+    model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
+    ddp_module = DistributedDataParallel(model, **DDP_OPTIONS[ddp])
+    zero = ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **kwargs)
+    ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero, shard_buckets=shard_buckets))
+    ref_ddp, ref_opt = TorchDDP(ref_model, **DDP_OPTIONS[ddp]), cls(ref_model.parameters(), **kwargs)
+    steps = NUM_STEPS + rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-bucket plan's shard_buckets fallback
+        with Join([ddp_module, zero]):
+            for step in range(steps):
+                ddp_module(batch(rank, step)).pow(2).mean().backward()
+                zero.zero_grad()
+    with ref_ddp.join():
+        for step in range(steps):
+            ref_ddp(batch(rank, step)).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"after Join: {name}")
+
+
 def overlap_step_is_a_no_op(rank: int, world_size: int) -> None:
     """With overlap_with_ddp=True, ZeroRedundancyOptimizer.step() changes nothing (torch's contract)."""
     model = make_model()
@@ -380,6 +407,9 @@ CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}]":
 CASES.update({f"overlap[{h}-whole-two_buckets-sgd_momentum]": functools.partial(
     overlap, hook=h, shard_buckets=False, ddp="two_buckets", optim="sgd_momentum") for h in HOOKS})
 CASES["overlap_step_is_a_no_op"] = overlap_step_is_a_no_op
+CASES.update({f"overlap_join[{h}-{'shard' if s else 'whole'}-{d}]": functools.partial(
+    overlap_join, hook=h, shard_buckets=s, ddp=d)
+    for h, s, d in (("step", False, "two_buckets"), ("interleaved", True, "three_buckets_view"))})
 CASES.update({f"overlap_state_dicts[{h}-{'shard' if s else 'whole'}-{d}]": functools.partial(
     overlap_state_dicts, hook=h, shard_buckets=s, ddp=d)
     for h, s, d in (("step", False, "default"), ("interleaved", True, "three_buckets_view"),
