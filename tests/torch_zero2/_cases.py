@@ -166,6 +166,24 @@ def closure_and_scheduler(rank: int, world_size: int) -> None:
         pair.check(f"step {step}")
 
 
+def assert_state_dicts_equal(ours: dict, ref: dict) -> None:
+    """Same parameter indices, same state keys, state tensors within tolerance, same groups."""
+    assert sorted(ours["state"]) == sorted(ref["state"]), (sorted(ours["state"]), sorted(ref["state"]))
+    for i, st in ref["state"].items():
+        assert sorted(ours["state"][i]) == sorted(st), (i, sorted(ours["state"][i]), sorted(st))
+        for k, v in st.items():
+            torch.testing.assert_close(ours["state"][i][k], v, rtol=RTOL, atol=ATOL, msg=f"state[{i}][{k!r}]")
+    assert ours["param_groups"] == ref["param_groups"]
+
+
+def perturb_state(state_dict: dict) -> None:
+    """Halve every state tensor but the step count, so that only a real load keeps parity."""
+    for st in state_dict["state"].values():
+        for k, v in st.items():
+            if k != "step":
+                v.mul_(0.5)
+
+
 def state_dicts(rank: int, world_size: int, *, optim: str, ddp: str, groups: bool = False) -> None:
     """state_dict() equals the plain optimizer's; loading the plain one's state, then stepping on,
     stays at parity (loaded after DDP's rebuild, so into the rebuilt layout)."""
@@ -173,18 +191,10 @@ def state_dicts(rank: int, world_size: int, *, optim: str, ddp: str, groups: boo
     for step in range(3):
         pair.backward(batch(rank, step))
         pair.step()
-    ours, ref = pair.opt.state_dict(), pair.ref_opt.state_dict()
-    assert sorted(ours["state"]) == sorted(ref["state"]), (sorted(ours["state"]), sorted(ref["state"]))
-    for i, st in ref["state"].items():
-        assert sorted(ours["state"][i]) == sorted(st), (i, sorted(ours["state"][i]), sorted(st))
-        for k, v in st.items():
-            torch.testing.assert_close(ours["state"][i][k], v, rtol=RTOL, atol=ATOL, msg=f"state[{i}][{k!r}]")
-    assert ours["param_groups"] == ref["param_groups"]
+    ref = pair.ref_opt.state_dict()
+    assert_state_dicts_equal(pair.opt.state_dict(), ref)
     # Perturb the reference state, load it into ZeRO2: the next steps must follow the loaded state.
-    for st in ref["state"].values():
-        for k, v in st.items():
-            if k != "step":
-                v.mul_(0.5)
+    perturb_state(ref)
     pair.ref_opt.load_state_dict(ref)
     pair.opt.load_state_dict(ref)
     for step in range(3, 5):
@@ -337,17 +347,8 @@ def overlap_state_dicts(rank: int, world_size: int, *, hook: str, shard_buckets:
     zero.consolidate_state_dict(to=world_size - 1)
     ref = ref_opt.state_dict()
     if rank == world_size - 1:
-        ours = zero.state_dict()
-        assert sorted(ours["state"]) == sorted(ref["state"]), (sorted(ours["state"]), sorted(ref["state"]))
-        for i, st in ref["state"].items():
-            assert sorted(ours["state"][i]) == sorted(st), (i, sorted(ours["state"][i]), sorted(st))
-            for k, v in st.items():
-                torch.testing.assert_close(ours["state"][i][k], v, rtol=RTOL, atol=ATOL, msg=f"state[{i}][{k!r}]")
-        assert ours["param_groups"] == ref["param_groups"]
-    for st in ref["state"].values():  # perturbed, so that only a real load keeps parity
-        for k, v in st.items():
-            if k != "step":
-                v.mul_(0.5)
+        assert_state_dicts_equal(zero.state_dict(), ref)
+    perturb_state(ref)
     # torch's load_state_dict keeps the dict's tensors as its state: each plain optimizer gets a copy.
     ref_opt.load_state_dict(copy.deepcopy(ref))
     zero.load_state_dict(ref)  # into the running hook
