@@ -246,8 +246,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             p0 = self._params[bucket.members[0]]
             buf = torch.zeros(bucket.length, dtype=p0.dtype, device=p0.device)
             self._bufs.append(buf)
-            for m, off, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                self._views[m] = buf[off:off + n].view(self._params[m].shape)
+            for m, view in zip(bucket.members, self._bucket_views(bucket, buf)):
+                self._views[m] = view
         if self.gradient_as_bucket_view:
             # torch's initialize_bucket_views: an existing gradient moves into the bucket.
             for p, v in zip(self._params, self._views):
@@ -260,6 +260,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._scaled_in = [-1] * len(self._params)  # iteration in which a hook already scaled it
         self._kernel_copy = _bucket_copy_backend(self.device) == "cuda"
         self._update_copy_policy()
+
+    def _bucket_views(self, bucket, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's gradient as a view into ``buf`` laid out as ``bucket`` says."""
+        return [buf[o:o + n].view(self._params[m].shape)
+                for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels)]
 
     def _update_copy_policy(self) -> None:
         """Which gradients the hook copies (fused with the scale) rather than ``_fill_bucket``."""
@@ -507,11 +512,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffer, or zeros when a joined rank shadows the others' backward)."""
         state, hook = self._comm_hook
         spec = self.bucket_plan.buckets[b]
-        if buf is self._bufs[b]:
-            views = [self._views[m] for m in spec.members]
-        else:
-            views = [buf[o:o + n].view(self._params[m].shape)
-                     for m, o, n in zip(spec.members, spec.offsets, spec.numels)]
+        views = ([self._views[m] for m in spec.members] if buf is self._bufs[b]
+                 else self._bucket_views(spec, buf))
         bucket = GradBucket(b, buf, views, [self._params[m] for m in spec.members], self._bucket_is_last[b])
         fut = hook(state, bucket)
         if not isinstance(fut, torch._C.Future):  # torch.futures.Future and get_future()'s C type
@@ -546,10 +548,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
             if self.static_graph:
                 self._static_globally_unused = globally_unused
-        if stream:
-            pass  # written back above
-        elif self._comm_hook_owns_grads:
-            pass  # a ZeRO-2 hook keeps only its gradient slice: .grad stays None
+        # Nothing to do when streamed above, or for a ZeRO-2 hook (it keeps only its gradient
+        # slice: .grad stays None).
+        if stream or self._comm_hook_owns_grads:
+            pass
         elif self.gradient_as_bucket_view:
             for i, (p, view) in enumerate(zip(self._params, self._views)):
                 if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):

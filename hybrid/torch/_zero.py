@@ -356,10 +356,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if self.rank == to:
                 self._all_state_dicts.append(box[0])
 
+    def _global_index(self) -> dict[int, int]:
+        """``{id(param): global state-dict index}``."""
+        return {id(p): i for i, p in enumerate(self._params)}
+
     def _overlap_local_state(self) -> dict[str, Any]:
         """This rank's overlap state as ``{"state": {global index: state}}`` (no param groups:
         the hook's optimizers take theirs from this optimizer's one group)."""
-        index = {id(p): i for i, p in enumerate(self._params)}
+        index = self._global_index()
         state = dict(self._overlap_pending_state)  # loaded, not yet handed to the hook
         runtime = getattr(self, "_overlap_runtime", None)
         for opt in (runtime.optims.values() if runtime is not None else ()):
@@ -426,7 +430,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if runtime is None or runtime.plan is None:
             self._overlap_pending_state = loaded
             return
-        index = {id(p): i for i, p in enumerate(params)}
+        index = self._global_index()
         for opt in runtime.optims.values():
             opt.state.clear()  # as torch's load_state_dict: state not in the dict is dropped
             for p in opt.param_groups[0]["params"]:
