@@ -1,13 +1,13 @@
 """JAX frontend: data parallelism and ZeRO sharding as optax transforms over hybrid.core plans."""
 
-from hybrid.jax._all_reduce import bucketed_all_reduce
+from hybrid.jax._all_reduce import BucketedAllReduceState, bucketed_all_reduce
 from hybrid.jax._clip import clip_by_global_norm
 from hybrid.jax._grad import local_grad
 from hybrid.jax._specs import key_path_name, specs
-from hybrid.jax._zero import NON_ELEMENTWISE, ZeroState, zero, zero_state_specs
+from hybrid.jax._state_specs import state_specs
+from hybrid.jax._zero import NON_ELEMENTWISE, ZeroState, zero
 
 __all__ = [
-    "NON_ELEMENTWISE", "ZeroState",
-    "bucketed_all_reduce", "clip_by_global_norm", "key_path_name", "local_grad", "specs", "zero",
-    "zero_state_specs",
+    "NON_ELEMENTWISE", "BucketedAllReduceState", "ZeroState",
+    "bucketed_all_reduce", "clip_by_global_norm", "key_path_name", "local_grad", "specs", "state_specs", "zero",
 ]

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import jax
 import optax
-from jax.sharding import PartitionSpec
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
@@ -88,7 +87,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     Stage 1 all-reduces each bucket and keeps this device's slice; stage 2 reduce-scatters it
     (``psum_scatter``). ``inner`` then updates the slices (params sliced alike for weight decay)
     and the updates are all-gathered back into the tree. ``init`` and ``update`` must run where
-    ``axis_name`` is bound: ``jax.shard_map`` (state out_specs from :func:`zero_state_specs`),
+    ``axis_name`` is bound: ``jax.shard_map`` (state out_specs from :func:`hybrid.jax.state_specs`),
     ``jax.pmap``, or a multi-process mesh.
 
     Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...) and for
@@ -189,18 +188,3 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         return layout.unflatten(out), ZeroState(inner_state, state.plan_fingerprint)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def zero_state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_size: int):
-    """``shard_map`` partition specs for the state of ``tx`` (a :func:`zero` transform, or a chain).
-
-    Every leaf with at least one dimension is a per-bucket shard (``P(axis_name)``: concatenated
-    over devices, it is the padded bucket); scalars (step counts) are replicated (``P()``).
-
-    >>> import jax.numpy as jnp, optax
-    >>> zero_state_specs(zero(optax.sgd(0.1, momentum=0.9), "dp"), {"w": jnp.ones(3)}, "dp", axis_size=4).inner[0].trace
-    (P('dp',),)
-    """
-    shapes = jax.eval_shape(jax.vmap(tx.init, in_axes=None, axis_size=axis_size, axis_name=axis_name), params)
-    # vmap adds a leading axis of axis_size to every output; ndim beyond it decides.
-    return jax.tree_util.tree_map(lambda s: PartitionSpec(axis_name) if s.ndim > 1 else PartitionSpec(), shapes)

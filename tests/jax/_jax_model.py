@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 # Small caps so the 26 parameters fall into several buckets whose lengths 3 and 4 do not divide.
 CAPS = dict(bucket_cap_bytes=40, first_bucket_cap_bytes=16)
@@ -43,3 +44,25 @@ def reference(tx, params, num_steps):
         params, state = step(params, state, *make_batch(i))
         history.append(params)
     return history
+
+
+def shard_map_train(tx, mesh, params, *, jit=True, donate_state=False):
+    """``(init, step)`` of a data-parallel training loop of ``tx`` over ``mesh``'s axis ``"dp"``.
+
+    As users write it: ``local_grad`` per device, state specs from ``hybrid.jax.state_specs``,
+    params replicated, the batch split over ``"dp"``, default ``check_vma``. ``donate_state``
+    donates the state to the jitted step (persistent buckets are then filled in place).
+    """
+    import hybrid.jax as hj
+    specs = hj.state_specs(tx, params, "dp", axis_size=mesh.size)
+
+    def step(params, state, x, y):
+        g = hj.local_grad(loss, "dp")(params, x, y)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("dp"), P("dp")), out_specs=(P(), specs))
+    if jit:
+        init, step = jax.jit(init), jax.jit(step, donate_argnums=(1,) if donate_state else ())
+    return init, step

@@ -101,10 +101,10 @@ def test_unbound_axis(name):
             tx.update(params, tx.init(params))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "bucketed_all_reduce"])
 @pytest.mark.parametrize("change", ["drop_leaf", "reshape", "rename"])
-def test_structure_changes_between_init_and_update(stage, change):
-    tx = hj.zero(optax.adam(1e-3), "dp", stage=stage)
+def test_structure_changes_between_init_and_update(name, change):
+    tx = _transforms()[name]
     params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
     other = {"drop_leaf": {"w": params["w"]}, "reshape": {"w": jnp.ones((3, 4)), "b": jnp.ones(3)},
              "rename": {"v": params["w"], "b": params["b"]}}[change]
@@ -113,8 +113,16 @@ def test_structure_changes_between_init_and_update(stage, change):
         state = tx.init(init_tree)
         return tx.update(update_tree, state, update_tree)
 
-    with pytest.raises(ValueError, match="differs from the one zero.init saw"):
+    what = "bucketed_all_reduce" if name == "bucketed_all_reduce" else "zero"
+    with pytest.raises(ValueError, match=f"differs from the one {what}.init saw"):
         jax.vmap(run, in_axes=None, axis_size=4, axis_name="dp")(params, other)
+
+
+@pytest.mark.parametrize("name", ["bucketed_all_reduce", "zero1", "zero2"])
+def test_foreign_state(name):
+    tx, params = _transforms()[name], make_params()
+    with pytest.raises(TypeError, match="state must be the"):
+        jax.vmap(lambda p: tx.update(p, optax.EmptyState(), p), in_axes=None, axis_size=4, axis_name="dp")(params)
 
 
 @pytest.mark.parametrize("name", ["bucketed_all_reduce", "zero1", "zero2"])

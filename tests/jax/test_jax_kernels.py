@@ -12,12 +12,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import hybrid.jax as hj
 from hybrid import kernels
 from hybrid.core import plan_buckets, shard_flat
-from _jax_model import CAPS, loss, make_batch, make_params
+from _jax_model import CAPS, make_batch, make_params, shard_map_train
 
 WORLD = 4
 NUM_STEPS = 3
@@ -34,19 +34,8 @@ def _train(name, copy_backend=None, world=WORLD):
     """NUM_STEPS jitted shard_map steps; returns the params after each step."""
     mesh = Mesh(np.array(jax.devices()[:world]), ("dp",))
     tx, params = _tx(name, copy_backend), make_params()
-    if name == "bucketed_all_reduce":
-        specs = jax.tree_util.tree_map(lambda _: P(), jax.eval_shape(tx.init, params))
-    else:
-        specs = hj.zero_state_specs(tx, params, "dp", axis_size=world)
-
-    def step(params, state, x, y):
-        g = hj.local_grad(loss, "dp")(params, x, y)
-        u, state = tx.update(g, state, params)
-        return optax.apply_updates(params, u), state
-
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("dp"), P("dp")),
-                                 out_specs=(P(), specs)))
+    init, step = shard_map_train(tx, mesh, params)
+    state = init(params)
     history = []
     for i in range(NUM_STEPS):
         params, state = step(params, state, *make_batch(i))

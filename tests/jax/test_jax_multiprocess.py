@@ -1,4 +1,4 @@
-"""zero stage 2 through jax.distributed: 2 processes on CPU with gloo collectives."""
+"""zero stage 2 and bucketed_all_reduce through jax.distributed: 2 processes on CPU with gloo collectives."""
 
 import os
 import socket
@@ -19,7 +19,7 @@ def free_port():
 
 
 @pytest.mark.parametrize("local_devices", [2, 1])
-def test_two_processes_zero_stage2(local_devices):
+def test_two_processes(local_devices):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)])
@@ -36,4 +36,5 @@ def test_two_processes_zero_stage2(local_devices):
                 p.kill()
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-        assert f"{2 * local_devices} devices, {local_devices} local, 5 steps equal the reference" in out, out
+        for what in ("zero stage 2", "bucketed_all_reduce"):
+            assert f"{what}: {2 * local_devices} devices, {local_devices} local, 5 steps equal the reference" in out, out

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import hybrid.jax as hj
 from hybrid.core import plan_buckets, shard_flat
-from _jax_model import CAPS, loss, make_batch, make_params, reference
+from _jax_model import CAPS, loss, make_batch, make_params, reference, shard_map_train
 
 NUM_STEPS = 20
 # float32, same framework: the data-parallel gradient is a mean of per-device means where the
@@ -50,18 +50,7 @@ def run_shard_map(name, stage, world_size, *, jit=True, num_steps=NUM_STEPS):
     mesh = Mesh(np.array(jax.devices()[:world_size]), ("dp",))
     tx = hj.zero(INNER[name]("dp"), "dp", stage=stage, **CAPS)
     params = make_params()
-    state_specs = hj.zero_state_specs(tx, params, "dp", axis_size=world_size)
-
-    def step(params, state, x, y):
-        g = hj.local_grad(loss, "dp")(params, x, y)
-        u, state = tx.update(g, state, params)
-        return optax.apply_updates(params, u), state
-
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs)
-    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), state_specs, P("dp"), P("dp")),
-                         out_specs=(P(), state_specs))
-    if jit:
-        init, step = jax.jit(init), jax.jit(step)
+    init, step = shard_map_train(tx, mesh, params, jit=jit)
     state, history = init(params), []
     for i in range(num_steps):
         params, state = step(params, state, *make_batch(i))

@@ -1,0 +1,44 @@
+"""``shard_map`` partition specs for the optimizer states of hybrid's transforms (in any optax chain)."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import PartitionSpec
+
+from hybrid.jax._all_reduce import BucketedAllReduceState
+from hybrid.jax._zero import ZeroState
+
+# States whose arrays differ per device: ZeRO's shards, the all-reduce's bucket buffers.
+_PER_DEVICE = (ZeroState, BucketedAllReduceState)
+
+
+def state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_size: int):
+    """``shard_map`` in/out specs for the state of ``tx``, any optax chain of hybrid and plain transforms.
+
+    Inside a :class:`hybrid.jax.ZeroState` or :class:`hybrid.jax.BucketedAllReduceState`, every
+    array with a dimension is per device (``P(axis_name)``: concatenated over devices, a ZeRO
+    state leaf is the padded bucket, a bucket buffer the devices' buffers end to end) and scalars
+    (step counts) are replicated (``P()``). Every other leaf, such as the state of a plain
+    ``optax.adam`` chained after :func:`hybrid.jax.bucketed_all_reduce`, is replicated: it is
+    computed from reduced gradients, the same on every device.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from hybrid.jax import bucketed_all_reduce, zero
+    >>> state_specs(zero(optax.sgd(0.1, momentum=0.9), "dp"), {"w": jnp.ones(3)}, "dp", axis_size=4).inner[0].trace
+    (P('dp',),)
+    >>> specs = state_specs(optax.chain(bucketed_all_reduce("dp"), optax.adam(1e-3)), {"w": jnp.ones(3)},
+    ...                     "dp", axis_size=4)
+    >>> specs[0].buckets, specs[1][0].mu["w"]
+    ((P('dp',),), P())
+    """
+    # vmap binds axis_name (zero.init needs it) and adds a leading axis of axis_size to every
+    # output: ndim beyond it tells arrays from scalars.
+    shapes = jax.eval_shape(jax.vmap(tx.init, in_axes=None, axis_size=axis_size, axis_name=axis_name), params)
+
+    def spec(node):
+        if isinstance(node, _PER_DEVICE):
+            return jax.tree_util.tree_map(lambda s: PartitionSpec(axis_name) if s.ndim > 1 else PartitionSpec(), node)
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map(spec, shapes, is_leaf=lambda x: isinstance(x, _PER_DEVICE))
