@@ -62,8 +62,9 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
       persistent_buckets: keep one flat buffer per bucket in the state
         (:class:`BucketedAllReduceState`), as DDP's reducer does, and fill it in place; a step
         that donates its state then allocates no bucket-sized buffer to pack into. Costs one
-        gradient-sized buffer per device between steps. ``False``: ``optax.EmptyState``, buckets
-        are concatenated afresh every step.
+        gradient-sized buffer per device between steps. The buffers differ per device: under
+        ``shard_map`` take the state's specs from :func:`hybrid.jax.state_specs`. ``False``:
+        ``optax.EmptyState``, buckets are concatenated afresh every step.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> tx = bucketed_all_reduce("dp")
