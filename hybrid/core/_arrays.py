@@ -30,6 +30,16 @@ class _Numpy:
     def reshape(self, a, shape):
         return self.np.reshape(a, shape)
 
+    def write(self, buffer, offset, flat):
+        buffer[offset:offset + flat.shape[0]] = flat
+        return buffer
+
+
+class _Jax(_Numpy):
+    def write(self, buffer, offset, flat):
+        # Functional: a dynamic_update_slice, which XLA performs in place on a donated buffer.
+        return buffer.at[offset:offset + flat.shape[0]].set(flat)
+
 
 class _Torch:
     def __init__(self, torch):
@@ -47,13 +57,17 @@ class _Torch:
     def reshape(self, a, shape):
         return a.view(shape)
 
+    def write(self, buffer, offset, flat):
+        buffer[offset:offset + flat.shape[0]].copy_(flat)
+        return buffer
+
 
 def _namespace(array):
     module = type(array).__module__.split(".")[0]
     if module == "torch":
         return _Torch(sys.modules["torch"])
     if module in ("jax", "jaxlib"):
-        return _Numpy(sys.modules["jax.numpy"])
+        return _Jax(sys.modules["jax.numpy"])
     if module == "numpy":
         return _Numpy(sys.modules["numpy"])
     raise TypeError(f"pack/unpack take numpy, torch or jax arrays, got {type(array).__name__}")
@@ -63,7 +77,7 @@ def _dtype_name(array) -> str:
     return canonical_dtype(array.dtype)
 
 
-def pack(plan: BucketPlan, bucket_index: int, arrays: Sequence, *, length: int | None = None):
+def pack(plan: BucketPlan, bucket_index: int, arrays: Sequence, *, length: int | None = None, out=None):
     """Concatenate a bucket's members into one flat array laid out as the plan says.
 
     Args:
@@ -74,12 +88,18 @@ def pack(plan: BucketPlan, bucket_index: int, arrays: Sequence, *, length: int |
         the same kind.
       length: pad the result with zeros to this many elements (e.g. a FlatShardPlan's
         ``padded_length``); default the bucket's own length.
+      out: write the members into this 1-D buffer of ``length`` elements and the bucket's dtype
+        instead of allocating one, and return it: numpy and torch in place, jax as the updated
+        array (``out.at[...].set``: XLA updates a donated buffer in place). Elements outside the
+        members (padding) keep ``out``'s values, so a buffer made by ``zeros`` stays ``pack``'s.
 
     >>> import numpy as np
     >>> from hybrid.core import TensorSpec, plan_buckets
     >>> plan = plan_buckets([TensorSpec("a", (2,), "float32"), TensorSpec("b", (1, 2), "float32")])
     >>> pack(plan, 0, [np.ones(2, np.float32), np.zeros((1, 2), np.float32)]).tolist()
     [1.0, 1.0, 0.0, 0.0]
+    >>> pack(plan, 0, [np.ones(2, np.float32), np.full((1, 2), 2, np.float32)], out=np.zeros(4, np.float32)).tolist()
+    [1.0, 1.0, 2.0, 2.0]
     """
     bucket = plan.buckets[bucket_index]
     if len(arrays) != len(plan.specs):
@@ -89,16 +109,24 @@ def pack(plan: BucketPlan, bucket_index: int, arrays: Sequence, *, length: int |
         raise ValueError(f"length {length} is shorter than bucket {bucket_index}'s {bucket.length} elements")
     like = arrays[bucket.members[0]]
     xp = _namespace(like)
+    if out is not None and (tuple(out.shape) != (length,) or _dtype_name(out) != bucket.dtype):
+        raise ValueError(f"bucket {bucket_index} packs into a {bucket.dtype}[{length}] buffer, "
+                         f"got out={_dtype_name(out)}{list(out.shape)}")
     parts, end = [], 0
     for m, offset in zip(bucket.members, bucket.offsets):
         spec, a = plan.specs[m], arrays[m]
         if tuple(a.shape) != spec.shape or _dtype_name(a) != spec.dtype:
             raise ValueError(f"tensor {spec.name!r}: expected {spec.dtype}{list(spec.shape)}, "
                              f"got {_dtype_name(a)}{list(a.shape)}")
+        if out is not None:
+            out = xp.write(out, offset, xp.flat(a))
+            continue
         if offset > end:
             parts.append(xp.zeros(offset - end, like))
         parts.append(xp.flat(a))
         end = offset + spec.numel
+    if out is not None:
+        return out
     if length > end:
         parts.append(xp.zeros(length - end, like))
     return xp.concat(parts, like)

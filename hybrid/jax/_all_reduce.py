@@ -96,7 +96,7 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
         cuda = use_kernels(copy_backend)
         out, filled = {}, []
         for b in range(layout.plan.num_buckets):
-            packed = pack_bucket(layout.plan, b, arrays, cuda=cuda, into=buffers[b])
+            packed = pack_bucket(layout.plan, b, arrays, cuda=cuda, out=buffers[b])
             filled.append(packed)
             flat = _reduce(packed, axis_name)
             # The mean's divide comes after the sum, on the way out of the bucket: XLA fuses it

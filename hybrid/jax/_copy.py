@@ -11,11 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
-import numpy as np
-
 from hybrid import kernels
-from hybrid.core import BucketPlan, canonical_dtype, pack, unpack
+from hybrid.core import BucketPlan, pack, unpack
 
 
 def check_backend(copy_backend) -> None:
@@ -44,46 +41,18 @@ def _padded(plan: BucketPlan, bucket_index: int, length: int) -> BucketPlan:
 
 
 def pack_bucket(plan: BucketPlan, bucket_index: int, arrays, *, length: int | None = None, cuda: bool,
-                into=None):
-    """``core.pack(plan, bucket_index, arrays, length=length)``, by the kernel when ``cuda``.
+                out=None):
+    """``core.pack(plan, bucket_index, arrays, length=length, out=out)``, by the kernel when ``cuda``.
 
-    ``into``: a buffer of the bucket's length and dtype to write the members into (the reference
-    path only; the kernel writes a fresh buffer). Its padding must be zeros, as ``init`` leaves it:
-    only the members' ranges are written. Where ``into`` is donated to the jitted step, XLA
-    updates it in place, so the step allocates no bucket-sized buffer to fill.
+    ``out`` (the reference path only; the kernel writes a fresh buffer) is a buffer to write the
+    members into, padding left as it is; where it is donated to the jitted step, XLA updates it
+    in place, so the step allocates no bucket-sized buffer to fill.
     """
-    if not cuda and into is not None:
-        return pack_into(plan, bucket_index, arrays, into)
     if not cuda:
-        return pack(plan, bucket_index, arrays, length=length)
+        return pack(plan, bucket_index, arrays, length=length, out=out)
     if length is not None and length != plan.buckets[bucket_index].length:
         plan = _padded(plan, bucket_index, length)
     return kernels.jax_gather(plan, bucket_index, arrays, backend="cuda")
-
-
-def pack_into(plan: BucketPlan, bucket_index: int, arrays, buffer):
-    """Write a bucket's members into ``buffer`` at the plan's offsets: ``core.pack`` without a new array.
-
-    One ``dynamic_update_slice`` per member, at static offsets; XLA fuses them into one in-place
-    update of ``buffer``. Elements outside the members (padding) keep ``buffer``'s values.
-
-    >>> import jax.numpy as jnp
-    >>> from hybrid.core import TensorSpec, plan_buckets
-    >>> plan = plan_buckets([TensorSpec("a", (2,), "float32"), TensorSpec("b", (1, 2), "float32")])
-    >>> pack_into(plan, 0, [jnp.ones(2), jnp.full((1, 2), 2.0)], jnp.zeros(4)).tolist()
-    [1.0, 1.0, 2.0, 2.0]
-    """
-    bucket = plan.buckets[bucket_index]
-    if buffer.shape != (bucket.length,) or canonical_dtype(np.dtype(buffer.dtype)) != bucket.dtype:
-        raise ValueError(f"bucket {bucket_index} needs a {bucket.dtype}[{bucket.length}] buffer, "
-                         f"got {canonical_dtype(np.dtype(buffer.dtype))}{list(buffer.shape)}")
-    for member, offset in zip(bucket.members, bucket.offsets):
-        spec, a = plan.specs[member], arrays[member]
-        if tuple(a.shape) != spec.shape or canonical_dtype(np.dtype(a.dtype)) != spec.dtype:
-            raise ValueError(f"tensor {spec.name!r}: expected {spec.dtype}{list(spec.shape)}, "
-                             f"got {canonical_dtype(np.dtype(a.dtype))}{list(a.shape)}")
-        buffer = jax.lax.dynamic_update_slice(buffer, a.reshape(-1), (offset,))
-    return buffer
 
 
 def unpack_bucket(plan: BucketPlan, bucket_index: int, flat, *, divisor: int | None = None, cuda: bool) -> dict:

@@ -124,6 +124,9 @@ def test_pack_unpack_identity_numpy(specs, alignment, world_size, seed):
     arrays = _arrays(specs, seed)
     for b in range(plan.num_buckets):
         flat = pack(plan, b, arrays, length=shards.padded_length(b))
+        buffer = np.zeros_like(flat)
+        assert pack(plan, b, arrays, length=shards.padded_length(b), out=buffer) is buffer
+        np.testing.assert_array_equal(buffer, flat)  # into a zeroed buffer: the same bytes, padding too
         for m, out in unpack(plan, b, flat).items():
             np.testing.assert_array_equal(out, arrays[m])  # exact: pure data movement
         pieces = [take_shard(shards, b, r, flat) for r in range(world_size)]
@@ -150,6 +153,15 @@ def test_pack_unpack_identity_frameworks(framework):
     flat = pack(plan, 0, converted)
     assert type(flat).__module__.split(".")[0] == type(converted[0]).__module__.split(".")[0]
     np.testing.assert_array_equal(to_numpy(flat), pack(plan, 0, arrays))  # same layout as numpy
+    # Into a stale buffer of the framework's kind: members overwritten, padding left as it was.
+    stale = np.full(plan.buckets[0].length, 7.0, np.float32)
+    want = stale.copy()
+    for m, o, n in zip(plan.buckets[0].members, plan.buckets[0].offsets, plan.buckets[0].numels):
+        want[o:o + n] = arrays[m].reshape(-1)
+    buffer = torch.from_numpy(stale.copy()) if framework == "torch" else jnp.asarray(stale)
+    written = pack(plan, 0, converted, out=buffer)
+    assert framework == "jax" or written is buffer  # torch writes in place
+    np.testing.assert_array_equal(to_numpy(written), want)
     for m, out in unpack(plan, 0, flat).items():
         np.testing.assert_array_equal(to_numpy(out), arrays[m])
 
@@ -158,6 +170,15 @@ def test_pack_rejects_wrong_shape_naming_the_tensor():
     plan = plan_buckets([TensorSpec("layer.weight", (2, 3), "float32")])
     with pytest.raises(ValueError, match="layer.weight"):
         pack(plan, 0, [np.zeros((3, 2), np.float32)])
+    with pytest.raises(ValueError, match="layer.weight"):
+        pack(plan, 0, [np.zeros((3, 2), np.float32)], out=np.zeros(6, np.float32))
+
+
+@pytest.mark.parametrize("out", [np.zeros(5, np.float32), np.zeros(6, np.float64), np.zeros((2, 3), np.float32)])
+def test_pack_rejects_wrong_out_buffer(out):
+    plan = plan_buckets([TensorSpec("layer.weight", (2, 3), "float32")])
+    with pytest.raises(ValueError, match=r"packs into a float32\[6\] buffer"):
+        pack(plan, 0, [np.zeros((2, 3), np.float32)], out=out)
 
 
 @settings(max_examples=50, deadline=None)

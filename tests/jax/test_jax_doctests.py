@@ -7,7 +7,7 @@ import pytest
 
 
 @pytest.mark.parametrize("name", ["hybrid.jax._all_reduce", "hybrid.jax._clip", "hybrid.jax._grad",
-                                  "hybrid.jax._copy", "hybrid.jax._specs", "hybrid.jax._state_specs",
+                                  "hybrid.jax._specs", "hybrid.jax._state_specs",
                                   "hybrid.jax._zero"])
 def test_module_doctests(name):
     result = doctest.testmod(importlib.import_module(name))
