@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from hybrid.bench._stats import paired_ratio
+
 
 def _big_mlp(width: int, depth: int) -> nn.Module:
     layers = []
@@ -89,8 +91,7 @@ def _worker(rank, world, port, outdir, quick, reps):
         n_tensors = len(list(plain.parameters()))
         rows.append((name, n_params, n_tensors, {k: statistics.median(v) for k, v in times.items()},
                      variants["hybrid"].bucket_plan.num_buckets,
-                     # per-repetition ratios of neighbouring steps: robust to drift across the run
-                     statistics.median(h / t for h, t in zip(times["hybrid"], times["torch"]))))
+                     paired_ratio(times["hybrid"], times["torch"])))
     if rank == 0:
         torch.save(rows, os.path.join(outdir, "rows.pt"))
     dist.barrier()

@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+from hybrid.bench._stats import paired_ratio
+
 if "jax" not in sys.modules:  # host devices must be configured before jax is first imported
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -106,15 +108,6 @@ def _print_times(wall: dict, cpu: dict) -> tuple[dict, dict]:
         print(f"  {name:22s} {med[name] * 1e3:9.2f} ms/step  (min {min(wall[name]) * 1e3:.2f}, "
               f"max {max(wall[name]) * 1e3:.2f}); CPU {cpu_med[name] * 1e3:.2f} ms/step")
     return med, cpu_med
-
-
-def _paired(wall: dict, name: str, base: str) -> float:
-    """Median over repetitions of name's time / base's time in the same repetition.
-
-    Neighbouring steps share the host's load of the moment, so the per-repetition ratio cancels
-    most of the drift that stretches both; its median is the steadier figure on a noisy machine.
-    """
-    return statistics.median(a / b for a, b in zip(wall[name], wall[base]))
 
 
 def _compile(variants: dict, params, x, mesh):
@@ -230,7 +223,7 @@ def main(argv: list[str]) -> int:
     for name, what in (("bucketed_sgd", "bucketed_all_reduce / psum step"),
                        ("bucketed_per_step_sgd", "  persistent_buckets=False")):
         print(f"  {what:34s}: {med[name] / med['psum_sgd']:.3f} (ratio of medians; target <= 1.05), "
-              f"paired {_paired(times, name, 'psum_sgd'):.3f}, of minima "
+              f"paired {paired_ratio(times[name], times['psum_sgd']):.3f}, of minima "
               f"{min(times[name]) / min(times['psum_sgd']):.3f}, of CPU time {cpu_med[name] / cpu_med['psum_sgd']:.3f}")
     if args.breakdown:
         print(f"  reduction cost (psum - local)   : {(med['psum_sgd'] - med['local_sgd']) * 1e3:.2f} ms; "
@@ -257,7 +250,7 @@ def main(argv: list[str]) -> int:
     for stage in (1, 2):
         name = f"zero{stage}_adam"
         print(f"  zero stage {stage} / unsharded adam   : {med[name] / med['unsharded_adam']:.3f}, "
-              f"paired {_paired(times, name, 'unsharded_adam'):.3f}")
+              f"paired {paired_ratio(times[name], times['unsharded_adam']):.3f}")
     dev = devices[0]
     full = _bytes_per_device(states["unsharded_adam"][1], dev)
     for name in ("zero1_adam", "zero2_adam"):

@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table, human_bytes
+from hybrid.bench._stats import paired_ratio
 
 WORLD_SIZE = 2
 VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_shard",
@@ -142,9 +143,7 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
     numels = [p.numel() for p in params]
     greedy = runs["hybrid_zero1"][2].partition.numel_per_rank()
     result = {"rank": rank, "memory": memory, "times": {k: statistics.median(v) for k, v in times.items()},
-              # per-round ratios of neighbouring steps: robust to drift across the run
-              "paired": {k: statistics.median(a / b for a, b in zip(v, times["torch_zero1"]))
-                         for k, v in times.items()},
+              "paired": {k: paired_ratio(v, times["torch_zero1"]) for k, v in times.items()},
               "numel": sum(numels), "num_tensors": len(numels), "greedy_numel_per_rank": greedy,
               "zero2_buckets": runs["hybrid_zero2"][1].bucket_plan.num_buckets}
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))

@@ -6,6 +6,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+import hybrid.jax as hj
+
 # Small caps so the 26 parameters fall into several buckets whose lengths 3 and 4 do not divide.
 CAPS = dict(bucket_cap_bytes=40, first_bucket_cap_bytes=16)
 BATCH = 12  # divisible by every world size tested (2, 3, 4): equal local batches
@@ -53,7 +55,6 @@ def shard_map_train(tx, mesh, params, *, jit=True, donate_state=False):
     params replicated, the batch split over ``"dp"``, default ``check_vma``. ``donate_state``
     donates the state to the jitted step (persistent buckets are then filled in place).
     """
-    import hybrid.jax as hj
     specs = hj.state_specs(tx, params, "dp", axis_size=mesh.size)
 
     def step(params, state, x, y):
