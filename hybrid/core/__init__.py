@@ -25,14 +25,15 @@ from hybrid.core._shard import (
     partition_params,
     shard_flat,
 )
+from hybrid.core._reshard import ReshardPlan, ShardCopy, reshard
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
 from hybrid.core._spec import TensorSpec
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB",
     "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GroupRun", "MemberSlice",
-    "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "TensorSpec", "ZeroMemory",
+    "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "ReshardPlan", "ShardCopy", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",
-    "itemsize", "mark_ready", "mark_unused", "pack", "partition_params", "plan_buckets", "rebuild_plan", "shard_flat", "start_iteration",
+    "itemsize", "mark_ready", "mark_unused", "pack", "partition_params", "plan_buckets", "rebuild_plan", "reshard", "shard_flat", "start_iteration",
     "take_shard", "unpack", "zero_memory",
 ]
