@@ -10,7 +10,7 @@ Adam rounds ``m / (sqrt(v) + eps)`` through different intermediate steps. Each s
 an ulp or two (~1e-7 relative) per operation; over 60 steps Adam's normalised updates keep them
 from growing much. Per step the loss must agree within rtol 1e-5 / atol 1e-6 and the final
 parameters within rtol 1e-4 / atol 1e-5 (issue 12's figures); measured: losses within 2.7e-6 and
-parameters within 2.5e-6 absolute, a quarter of the tolerance or less.
+parameters within 2.6e-6 absolute, a quarter of the tolerance or less.
 
 Buckets. Torch's DDP rebuilds its buckets after the first iteration from the order gradients
 became ready (bias before weight, last layer first), with members in that order; the JAX side
@@ -89,7 +89,8 @@ def test_training_matches(pair, torch_side, jax_runs):
     t, j = torch_side["results"][torch_cfg], _jax(jax_runs, jax_cfg)
     assert len(t.losses) == len(j.losses) == STEPS
     assert t.plan_fingerprint == j.plan_fingerprint
-    assert t.losses[-1] < 0.9 * t.losses[0], "the run must learn, or agreement says little"
+    # Per-batch losses are noisy (overlapping blobs): compare the first and last ten steps.
+    assert t.losses[-10:].mean() < 0.8 * t.losses[:10].mean(), "the run must learn, or agreement says little"
     np.testing.assert_allclose(t.losses, j.losses, **LOSS_TOL, err_msg=f"{pair}: losses per step")
     assert list(t.params) == list(j.params)
     for name in t.params:
