@@ -140,6 +140,8 @@ def ddp_size_limits(*, bucket_cap_bytes: int | None = None, bucket_caps_bytes: S
 
     >>> ddp_size_limits(find_unused_parameters=True)
     ((1048576, 26214400), (1048576, 26214400))
+    >>> ddp_size_limits(bucket_cap_bytes=16)[1]  # torch's [16, 16]: one limit, spelled once
+    (16,)
     """
     caps = tuple(int(c) for c in bucket_caps_bytes)
     if any(c < 0 for c in caps) or (bucket_cap_bytes is not None and bucket_cap_bytes < 0):
@@ -150,7 +152,9 @@ def ddp_size_limits(*, bucket_cap_bytes: int | None = None, bucket_caps_bytes: S
     first = DEFAULT_FIRST_BUCKET_CAP_BYTES if bucket_cap_bytes is None else cap
     rebuild = (first, cap) if first < cap else (cap,)
     if static_graph or not find_unused_parameters:
-        return (sys.maxsize,), (first, cap)
+        # Equal caps are spelled once, as plan_buckets spells them: the assignment is the same
+        # and so must be the plan's fingerprint (hybrid.jax plans with (cap,)).
+        return (sys.maxsize,), rebuild
     return rebuild, rebuild
 
 

@@ -1,0 +1,29 @@
+"""Train the twin MLP with hybrid's torch frontend (DDP + ZeRO) on every process torchrun starts.
+
+    torchrun --nproc_per_node=2 examples/torch_train.py --steps 20
+
+torchrun starts the processes and passes RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the
+environment (``env://`` rendezvous); on several machines run it on each with ``--nnodes``,
+``--node_rank`` and ``--master_addr`` of the first. Rank r trains on rows [r*B/W, (r+1)*B/W) of
+every global batch; rank 0 prints each step's global loss.
+"""
+
+import torch.distributed as dist
+
+from _common import parse, print_step, report
+from hybrid.demo import pin_torch_numerics, train_torch
+
+
+def main() -> None:
+    config, args = parse(__doc__.splitlines()[0])
+    pin_torch_numerics()
+    dist.init_process_group("gloo")  # env:// from torchrun; the twin model lives on the CPU
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    result = train_torch(config, progress=print_step)  # progress runs on rank 0 only
+    if rank == 0:
+        report(result, args, world_size)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

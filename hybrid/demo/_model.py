@@ -1,0 +1,152 @@
+"""The twin model's numpy half: configuration, initial parameters, data and the rows of each rank.
+
+The torch module (``_torch_run.TorchMLP``) and the JAX function (``_jax_run.mlp_logits``) are one
+MLP written twice: ``Linear -> tanh -> ... -> Linear`` with parameters named as torch's
+``nn.ModuleList`` of ``nn.Linear`` names them (``layers.0.weight`` of shape ``(out, in)``,
+``layers.0.bias``, ...). Both start from the arrays :func:`init_params` returns and read the batches
+:func:`global_batch` makes, so they differ only in how each framework computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hybrid.core import TensorSpec
+
+_CENTER_SCALE = 0.35
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """One training run, identical for both frontends.
+
+    Args:
+      sizes: layer widths, input first, number of classes last.
+      seed: seeds the initial parameters and the data.
+      global_batch_size: rows per step over all ranks; split evenly, rank ``r`` gets rows
+        ``[r * B / W, (r + 1) * B / W)``.
+      num_steps: optimizer steps.
+      optimizer: ``"adam"`` or ``"adamw"`` (torch.optim / optax of that name).
+      lr, weight_decay, betas, eps: the optimizer's hyper-parameters (``weight_decay`` for adamw).
+      stage: ZeRO stage, 1 (torch ``ZeroRedundancyOptimizer``) or 2 (torch ``ZeRO2``).
+      clip_norm: clip the reduced gradients to this global norm (``None``: no clipping).
+      bucket_cap_bytes: DDP's bucket cap, used as the first cap too, on both sides.
+
+    >>> TrainConfig(stage=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: stage must be 1 or 2, got 3
+    """
+
+    sizes: tuple[int, ...] = (16, 32, 32, 4)
+    seed: int = 0
+    global_batch_size: int = 32
+    num_steps: int = 50
+    optimizer: str = "adam"
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    stage: int = 1
+    clip_norm: float | None = None
+    bucket_cap_bytes: int = 16
+
+    def __post_init__(self):
+        if len(self.sizes) < 2 or any(int(s) < 1 for s in self.sizes):
+            raise ValueError(f"sizes must be at least two positive widths, got {self.sizes!r}")
+        if self.optimizer not in ("adam", "adamw"):
+            raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
+        if self.stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {self.stage!r}")
+        if self.weight_decay and self.optimizer == "adam":
+            raise ValueError(f"weight_decay={self.weight_decay!r} needs optimizer='adamw' (Adam's L2 "
+                             f"penalty and optax.adam's lack of one differ)")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm!r}")
+        if self.global_batch_size < 1 or self.num_steps < 0 or self.bucket_cap_bytes < 0:
+            raise ValueError(f"global_batch_size={self.global_batch_size!r}, num_steps={self.num_steps!r} "
+                             f"and bucket_cap_bytes={self.bucket_cap_bytes!r} must be non-negative "
+                             f"(the batch positive)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a run returns: ``losses[i]`` is step ``start_step + i``'s global loss (the mean over
+    ranks of each rank's mean cross-entropy, before that step's update), ``params`` the final
+    parameters by name in registration order, ``plan_fingerprint`` the fingerprint of the bucket
+    plan the frontend reduced with (for torch the plan DDP rebuilt after the first iteration),
+    ``seconds`` the training loop's wall time."""
+
+    losses: np.ndarray
+    params: dict[str, np.ndarray]
+    plan_fingerprint: str
+    seconds: float
+    start_step: int = 0
+
+
+def param_order(sizes) -> list[str]:
+    """Parameter names in torch's registration order (the ``order=`` to give ``hybrid.jax``).
+
+    >>> param_order((3, 2))
+    ['layers.0.weight', 'layers.0.bias']
+    """
+    return [f"layers.{i}.{kind}" for i in range(len(sizes) - 1) for kind in ("weight", "bias")]
+
+
+def param_specs(sizes) -> list[TensorSpec]:
+    """TensorSpecs of the model in registration order, what both frontends plan buckets on.
+
+    >>> [(s.name, s.shape) for s in param_specs((3, 2))]
+    [('layers.0.weight', (2, 3)), ('layers.0.bias', (2,))]
+    """
+    return [TensorSpec(f"layers.{i}.{kind}", (n_out, n_in) if kind == "weight" else (n_out,), "float32")
+            for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])) for kind in ("weight", "bias")]
+
+
+def init_params(seed: int, sizes) -> dict[str, np.ndarray]:
+    """float32 initial parameters by name, in registration order, drawn as ``nn.Linear`` draws them
+    (uniform in ``+-1/sqrt(fan_in)``) but from numpy, so both frameworks start from the same bits.
+
+    >>> p = init_params(0, (3, 2))
+    >>> list(p), p["layers.0.weight"].shape, p["layers.0.weight"].dtype
+    (['layers.0.weight', 'layers.0.bias'], (2, 3), dtype('float32'))
+    """
+    rng = np.random.default_rng([seed, 0])
+    out = {}
+    for spec in param_specs(sizes):
+        bound = 1.0 / np.sqrt(sizes[int(spec.name.split(".")[1])])
+        out[spec.name] = rng.uniform(-bound, bound, size=spec.shape).astype(np.float32)
+    return out
+
+
+def global_batch(seed: int, step: int, sizes, global_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step ``step``'s batch: ``(x float32 (B, sizes[0]), y int64 (B,))``, Gaussian blobs, one per
+    class, deterministic in ``(seed, step)`` so any step (a resumed run's too) is reproducible.
+
+    >>> x, y = global_batch(0, 5, (3, 4, 2), 6)
+    >>> x.shape, x.dtype, y.tolist() == global_batch(0, 5, (3, 4, 2), 6)[1].tolist()
+    ((6, 3), dtype('float32'), True)
+    """
+    num_in, num_classes = sizes[0], sizes[-1]
+    # Blobs that overlap (centers ~2 noise deviations apart in 16 dimensions): the loss keeps
+    # falling for a few hundred steps instead of reaching ~0, where its float32 rounding dominates.
+    centers = np.random.default_rng([seed, 1]).normal(scale=_CENTER_SCALE, size=(num_classes, num_in))
+    rng = np.random.default_rng([seed, 2, step])
+    y = rng.integers(0, num_classes, size=global_batch_size)
+    x = centers[y] + rng.normal(size=(global_batch_size, num_in))
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def rank_rows(arrays, rank: int, world_size: int):
+    """Rank ``rank``'s rows of each array: ``[r * B / W, (r + 1) * B / W)``, as ``P("dp")`` splits.
+
+    >>> rank_rows((np.arange(6),), 1, 2)[0].tolist()
+    [3, 4, 5]
+    """
+    n = len(arrays[0])
+    if n % world_size:
+        raise ValueError(f"a global batch of {n} rows does not split evenly over {world_size} ranks")
+    k = n // world_size
+    return tuple(a[rank * k:(rank + 1) * k] for a in arrays)

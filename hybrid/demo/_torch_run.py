@@ -1,0 +1,238 @@
+"""The twin model trained with hybrid's torch frontend: DDP + ZeroRedundancyOptimizer or ZeRO2.
+
+A run is: build the module and optimizer from numpy arrays (:func:`build_torch`) -> [load state]
+-> :func:`train_torch_steps` -> [save state] -> :class:`~hybrid.demo.TrainResult`.
+:func:`train_torch` does that in the current process group (one call per rank, as under
+``torchrun``); :func:`launch_torch` spawns a gloo world on 127.0.0.1 and returns rank 0's result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.demo._model import TrainConfig, TrainResult, global_batch, init_params, rank_rows
+from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
+
+Progress = Callable[[int, float], None]  # (step, global loss), called on rank 0 after each step
+
+
+class TorchMLP(nn.Module):
+    """The twin MLP: ``nn.Linear`` layers in a ``ModuleList`` named ``layers``, tanh between them.
+
+    >>> [n for n, _ in TorchMLP((3, 4, 2)).named_parameters()]
+    ['layers.0.weight', 'layers.0.bias', 'layers.1.weight', 'layers.1.bias']
+    """
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+def torch_model(params: dict[str, np.ndarray]) -> TorchMLP:
+    """A :class:`TorchMLP` holding copies of ``params`` (names and shapes as :func:`init_params`).
+
+    >>> from hybrid.demo import init_params
+    >>> p = init_params(0, (3, 2))
+    >>> bool((torch_model(p).layers[0].weight.detach().numpy() == p["layers.0.weight"]).all())
+    True
+    """
+    sizes = [params["layers.0.weight"].shape[1]] + [
+        params[f"layers.{i}.weight"].shape[0] for i in range(len(params) // 2)]
+    model = TorchMLP(sizes)
+    own = dict(model.named_parameters())
+    if list(own) != list(params):
+        raise ValueError(f"params must be named {list(own)} in that order, got {list(params)}")
+    with torch.no_grad():
+        for name, value in params.items():
+            if own[name].shape != value.shape:
+                raise ValueError(f"{name}: shape {value.shape}, the model has {tuple(own[name].shape)}")
+            own[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
+    return model
+
+
+def pin_torch_numerics() -> None:
+    """No TF32 anywhere, one intra-op thread (2-core machines; also a fixed reduction order)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_num_threads(1)
+
+
+def build_torch(config: TrainConfig, params: dict[str, np.ndarray] | None = None):
+    """``(ddp, optimizer)`` for ``config`` in the current process group, from ``params`` (default
+    :func:`init_params` of the config). Stage 1 is DDP + ``ZeroRedundancyOptimizer``, stage 2
+    ``ZeRO2`` on the DDP; both wrap ``torch.optim.Adam`` / ``AdamW``. A checkpoint's optimizer
+    state goes in between this and :func:`train_torch_steps`."""
+    if params is None:
+        params = init_params(config.seed, config.sizes)
+    if config.stage == 2 and config.clip_norm is not None:
+        raise ValueError(f"clip_norm={config.clip_norm!r} with stage=2: ZeRO2 keeps only gradient "
+                         f"slices (param.grad is None), so clip_grad_norm_ has nothing to clip")
+    ddp = DistributedDataParallel(torch_model(params), bucket_cap_mb=config.bucket_cap_bytes / (1 << 20))
+    cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
+    kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    if config.stage == 1:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), cls, **kwargs)
+    else:
+        opt = ZeRO2(ddp, cls, **kwargs)
+    return ddp, opt
+
+
+def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step: int, *,
+                      progress: Progress | None = None) -> np.ndarray:
+    """Steps ``[start_step, stop_step)``; returns their global losses (float64 of float32 values)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(start_step, stop_step):
+        x, y = rank_rows(global_batch(config.seed, step, config.sizes, config.global_batch_size), rank, world)
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        if config.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.clip_norm)
+        opt.step()
+        # The global loss is the mean of the per-rank means, what DDP's averaged gradient descends.
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+        if progress is not None and rank == 0:
+            progress(step, losses[-1])
+    return np.asarray(losses)
+
+
+def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = None, start_step: int = 0,
+                progress: Progress | None = None) -> TrainResult:
+    """Train ``config`` from ``start_step`` to ``config.num_steps`` in the current process group
+    (``torch.distributed`` initialised, one call per rank); every rank returns the same result.
+
+    >>> import torch.distributed as dist
+    >>> from hybrid.demo import TrainConfig
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> r = train_torch(TrainConfig(num_steps=20))
+    >>> len(r.losses), bool(r.losses[-1] < r.losses[0])
+    (20, True)
+    >>> dist.destroy_process_group()
+    """
+    ddp, opt = build_torch(config, params)
+    t0 = time.perf_counter()
+    losses = train_torch_steps(ddp, opt, config, start_step, config.num_steps, progress=progress)
+    seconds = time.perf_counter() - t0
+    final = {n: p.detach().numpy().copy() for n, p in ddp.module.named_parameters()}
+    return TrainResult(losses, final, ddp.bucket_plan.fingerprint(), seconds, start_step)
+
+
+# ---- a gloo world on this machine -------------------------------------------------------------
+
+COLLECTIVE_TIMEOUT_S = 60  # a rank that dies makes the others fail within this, not hang
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_torch_runs(configs, *, progress=None) -> list[TrainResult]:
+    """:func:`train_torch` of each config in turn, in the current process group (one world for
+    several runs: starting processes and importing torch costs more than a small run).
+    ``progress(run_index, step, loss)`` as each step ends on rank 0."""
+    out = []
+    for i, config in enumerate(configs):
+        cb = None if progress is None else (lambda step, loss, i=i: progress(i, step, loss))
+        out.append(train_torch(config, progress=cb))
+    return out
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, report_progress: bool, out) -> None:
+    try:
+        pin_torch_numerics()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        progress = (lambda *a: out.put(("progress", a))) if report_progress and rank == 0 else None
+        value = fn(*args, **kwargs, progress=progress)
+        if rank == 0:
+            out.put(("result", value))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def spawn_world(fn, *args, world_size: int = 2, progress: Callable | None = None, timeout_s: float = 600,
+                **kwargs):
+    """``fn(*args, **kwargs, progress=...)`` on every rank of a gloo world of ``world_size``
+    spawned processes on 127.0.0.1 (numerics pinned); returns rank 0's return value.
+
+    Spawned, not forked: the caller may hold JAX (or torch) threads. ``fn`` must be importable
+    (a module-level function). Its ``progress`` is ``None`` except on rank 0 when ``progress`` is
+    given here: then each ``progress(*a)`` it makes is called here, in the caller. An exception
+    on any rank is raised here as a RuntimeError with that rank's traceback.
+
+    >>> from hybrid.demo import TrainConfig
+    >>> spawn_world(train_torch, TrainConfig(num_steps=3), world_size=2).losses.shape
+    (3,)
+    """
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world_size, port, fn, args, kwargs, progress is not None, out))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                msg = out.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"spawn_world: no result from {world_size} ranks within {timeout_s} s")
+                if not all(p.is_alive() for p in procs):
+                    codes = {r: p.exitcode for r, p in enumerate(procs) if not p.is_alive()}
+                    raise RuntimeError(f"spawn_world: rank(s) exited without a result: exit codes {codes}")
+                continue
+            if msg[0] == "progress":
+                progress(*msg[1])
+            elif msg[0] == "error":
+                raise RuntimeError(f"spawn_world: rank {msg[1]} of {world_size} failed:\n{msg[2]}")
+            else:
+                value = msg[1]
+                break
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return value
+
+
+def launch_torch(config: TrainConfig, *, world_size: int = 2, params: dict[str, np.ndarray] | None = None,
+                 start_step: int = 0, progress: Progress | None = None, timeout_s: float = 600) -> TrainResult:
+    """:func:`train_torch` on a spawned gloo world of ``world_size`` ranks (:func:`spawn_world`);
+    rank 0's result. ``progress(step, loss)`` runs here as rank 0 reports each step.
+
+    >>> from hybrid.demo import TrainConfig
+    >>> launch_torch(TrainConfig(num_steps=3, stage=2), world_size=1).losses.shape
+    (3,)
+    """
+    return spawn_world(train_torch, config, world_size=world_size, progress=progress, timeout_s=timeout_s,
+                       params=params, start_step=start_step)
