@@ -1,0 +1,202 @@
+"""Shard files on disk: atomic writes, checksums, and a verified reader that reshards on load.
+
+A checkpoint directory holds ``manifest.json`` and one safetensors file per rank. A save writes
+into a hidden staging directory beside the target (``.NAME.saving``) and only when every rank's
+file and the manifest are complete swaps it into place, so a save that dies midway leaves the
+previous checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+import warnings
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save as _safetensors_bytes
+
+from hybrid.core import FlatShardPlan, ReshardPlan, reshard, shard_flat, unpack
+from hybrid.checkpoint._manifest import MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
+
+# numpy has no bfloat16: such tensors are stored as their raw 16 bits, the manifest keeps the name.
+_STORED_AS = {"bfloat16": np.uint16}
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a tensor of logical dtype ``dtype`` is stored (and read back) as."""
+    return np.dtype(_STORED_AS.get(dtype, dtype))
+
+
+def _staging(path: pathlib.Path) -> pathlib.Path:
+    return path.parent / f".{path.name}.saving"
+
+
+def _previous(path: pathlib.Path) -> pathlib.Path:
+    return path.parent / f".{path.name}.previous"
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(target: pathlib.Path, data: bytes) -> None:
+    part = target.with_name(target.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, target)
+
+
+def begin_save(path: str | os.PathLike) -> pathlib.Path:
+    """Clear what an earlier, interrupted save left and make the staging directory (one process)."""
+    path = pathlib.Path(path)
+    staging = _staging(path)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, np.ndarray]) -> FileEntry:
+    """Write rank ``rank``'s file into the staging directory of ``path``; returns its entry."""
+    data = _safetensors_bytes({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+    name = shard_file_name(rank, world_size)
+    _write_atomically(_staging(pathlib.Path(path)) / name, data)
+    return FileEntry(name, rank, len(data), hashlib.sha256(data).hexdigest())
+
+
+def commit_save(path: str | os.PathLike, manifest: Manifest) -> None:
+    """Write the manifest last, then swap the staging directory into ``path`` (one process)."""
+    path = pathlib.Path(path)
+    staging, previous = _staging(path), _previous(path)
+    _write_atomically(staging / MANIFEST, manifest.dumps().encode())
+    _fsync_dir(staging)
+    shutil.rmtree(previous, ignore_errors=True)
+    if path.exists():
+        # Two renames, not one: a directory cannot replace a non-empty one. In between, a reader
+        # finds the previous checkpoint under .NAME.previous (see Checkpoint).
+        os.replace(path, previous)
+    os.replace(staging, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _sha256_of(file: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Checkpoint:
+    """A saved checkpoint, opened for reading: its manifest, verified files and resharding reads.
+
+    Opening reads and checks the manifest; :meth:`verify` checks every file's size and SHA-256
+    (loaders call it before changing anything, so a bad file is found before half a model is
+    loaded). Reads go through safetensors slices: a rank reads only the elements it needs.
+
+    >>> import numpy as np, tempfile, os
+    >>> from hybrid.checkpoint import save_arrays
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = save_arrays(d, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, world_size=2, step=7)
+    >>> ckpt = Checkpoint(d)
+    >>> ckpt.manifest.world_size, ckpt.manifest.step, ckpt.tensors("params")["w"].tolist()
+    (2, 7, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        path = pathlib.Path(path)
+        if not (path / MANIFEST).exists() and (_previous(path) / MANIFEST).exists():
+            warnings.warn(f"{path}: a save was interrupted while swapping directories; reading the "
+                          f"previous checkpoint from {_previous(path)}", stacklevel=2)
+            path = _previous(path)
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no checkpoint directory there")
+        manifest_file = path / MANIFEST
+        if not manifest_file.exists():
+            raise CheckpointError(f"{manifest_file} is missing: not a checkpoint, or a save that never finished")
+        self.path = path
+        self.manifest = Manifest.loads(manifest_file.read_text(), where=str(manifest_file))
+        self._handles: dict[int, object] = {}
+        self._verified: set[int] = set()
+
+    def file(self, rank: int) -> pathlib.Path:
+        return self.path / self.manifest.files[rank].name
+
+    def verify(self, ranks=None) -> None:
+        """Check the files of ``ranks`` (default all): present, of the saved size, same SHA-256."""
+        entries = {f.rank: f for f in self.manifest.files}
+        for rank in sorted(set(range(self.manifest.world_size) if ranks is None else ranks) - self._verified):
+            entry = entries[rank]
+            file = self.path / entry.name
+            if not file.exists():
+                raise CheckpointError(f"{file}: shard file of rank {rank} is missing")
+            size = file.stat().st_size
+            if size != entry.nbytes:
+                raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry.nbytes}: the file is "
+                                      f"truncated or was replaced")
+            if _sha256_of(file) != entry.sha256:
+                raise CheckpointError(f"{file}: SHA-256 differs from the manifest's: the file is corrupt")
+            try:
+                keys = set(self._open(rank).keys())
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+            missing = sorted(set(self.manifest.dtypes) - keys)
+            if missing:
+                raise CheckpointError(f"{file}: lacks tensors {missing} that the manifest lists")
+            self._verified.add(rank)
+
+    def _open(self, rank: int):
+        if rank not in self._handles:
+            self._handles[rank] = safe_open(str(self.file(rank)), framework="np")
+        return self._handles[rank]
+
+    def read(self, rank: int, key: str, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of tensor ``key`` (``"params/0"``) in rank ``rank``'s file."""
+        self.verify([rank])
+        return self._open(rank).get_slice(key)[start:stop]
+
+    def kinds(self) -> list[str]:
+        """What is saved per bucket: ``"params"`` and the optimizer's slots."""
+        return ["params", *([] if self.manifest.optimizer is None else self.manifest.optimizer.slots)]
+
+    def reshard_to(self, dst: FlatShardPlan) -> ReshardPlan:
+        return reshard(self.manifest.shards, dst)
+
+    def slices(self, kind: str, plan: ReshardPlan, rank: int) -> list[np.ndarray]:
+        """Rank ``rank``'s slices of every bucket of ``plan.dst`` for ``kind`` (stored dtypes)."""
+        self.verify(plan.sources(rank))
+        dtypes = [storage_dtype(b.dtype) for b in plan.dst.bucket_plan.buckets]
+        return plan.gather(rank, lambda r, b, lo, hi: self.read(r, f"{kind}/{b}", lo, hi), dtypes)
+
+    def tensors(self, kind: str) -> dict[str, np.ndarray]:
+        """Every tensor of ``kind`` whole, by name, in registration order (stored dtypes)."""
+        whole = shard_flat(self.manifest.plan, 1)
+        flats = self.slices(kind, self.reshard_to(whole), 0)
+        per_index = {}
+        for b, flat in enumerate(flats):
+            per_index.update(unpack(self.manifest.plan, b, flat))
+        specs = self.manifest.plan.specs
+        return {specs[i].name: np.array(per_index[i]) for i in range(len(specs))}
+
+    def check_model(self, specs, *, what: str) -> None:
+        """Raise CheckpointError unless ``specs`` hold the checkpoint's tensors (names, shapes, dtypes)."""
+        saved = {s.name: s for s in self.manifest.plan.specs}
+        mine = {s.name: s for s in specs}
+        missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+        if missing or extra:
+            raise CheckpointError(f"{self.path}: saved from another model: {what} has {missing} which the "
+                                  f"checkpoint lacks, the checkpoint has {extra} which {what} lacks")
+        for name, s in mine.items():
+            t = saved[name]
+            if (s.shape, s.dtype) != (t.shape, t.dtype):
+                raise CheckpointError(f"{self.path}: tensor {name!r} is {t.dtype}{list(t.shape)} in the "
+                                      f"checkpoint and {s.dtype}{list(s.shape)} in {what}")

@@ -1,0 +1,110 @@
+"""Writing a checkpoint from one process: whole arrays or padded flat buckets, every rank's file."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from hybrid.core import BucketPlan, TensorSpec, canonical_dtype, pack, plan_buckets, shard_flat
+from hybrid.checkpoint._files import begin_save, commit_save, storage_dtype, write_shard
+from hybrid.checkpoint._manifest import Manifest, OptimizerInfo
+
+
+def to_storage(array: np.ndarray) -> np.ndarray:
+    """``array`` as stored on disk (bfloat16 as its raw uint16 bits)."""
+    array = np.asarray(array)
+    return array.view(storage_dtype(canonical_dtype(array.dtype)))
+
+
+def rank_tensors(plan: BucketPlan, world_size: int, rank: int,
+                 flats: Mapping[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s file contents: its slice of every padded flat bucket of every kind."""
+    shards = shard_flat(plan, world_size)
+    out = {}
+    for kind, per_bucket in flats.items():
+        for b, flat in enumerate(per_bucket):
+            start, stop = shards.shard_range(b, rank)
+            out[f"{kind}/{b}"] = flat[start:stop]
+    return out
+
+
+def dtypes_of(plan: BucketPlan, kinds) -> dict[str, str]:
+    return {f"{kind}/{b}": bucket.dtype for kind in kinds for b, bucket in enumerate(plan.buckets)}
+
+
+def save_flats(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, flats: Mapping[str, list[np.ndarray]],
+               framework: str, step: int, stage: int | None = None, optimizer: OptimizerInfo | None = None,
+               metadata: dict | None = None) -> Manifest:
+    """Save padded flat buckets (``flats[kind][b]`` of ``shard_flat(plan, world_size).padded_length(b)``
+    elements, stored dtypes) as ``world_size`` rank files, written in parallel, manifest last."""
+    shards = shard_flat(plan, world_size)
+    for kind, per_bucket in flats.items():
+        lengths = [len(f) for f in per_bucket]
+        want = [shards.padded_length(b) for b in range(plan.num_buckets)]
+        assert lengths == want, f"{kind}: flat lengths {lengths}, the plan pads to {want}"
+    begin_save(path)
+    with concurrent.futures.ThreadPoolExecutor(min(world_size, 8)) as pool:
+        files = list(pool.map(lambda r: write_shard(path, r, world_size, rank_tensors(plan, world_size, r, flats)),
+                              range(world_size)))
+    manifest = Manifest(framework, world_size, stage, int(step), plan, optimizer, dtypes_of(plan, flats),
+                        tuple(files), dict(metadata or {}))
+    commit_save(path, manifest)
+    return manifest
+
+
+def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, world_size: int = 1, step: int = 0,
+                slots: Mapping[str, Mapping[str, np.ndarray]] | None = None, optimizer: OptimizerInfo | None = None,
+                plan: BucketPlan | None = None, stage: int | None = None, framework: str = "numpy",
+                metadata: dict | None = None) -> Manifest:
+    """Save whole arrays by name (registration order) as a checkpoint of ``world_size`` shards.
+
+    Args:
+      path: the checkpoint directory (replaced atomically if it exists).
+      params: ``{name: array}`` in registration order.
+      world_size: how many rank files to cut the buckets into.
+      step: the training step to record.
+      slots: optimizer state per slot, ``{"mu": {name: array}, ...}``; needs ``optimizer``.
+      optimizer: what the slots belong to (:class:`OptimizerInfo`).
+      plan: the bucket plan to cut by; default ``plan_buckets`` of the arrays' specs.
+      stage, framework, metadata: recorded in the manifest.
+
+    >>> import numpy as np, tempfile, os
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> m = save_arrays(d, {"w": np.ones((2, 2), np.float32), "b": np.zeros(3, np.float32)}, world_size=2)
+    >>> [f.name for f in m.files]
+    ['rank-00000-of-00002.safetensors', 'rank-00001-of-00002.safetensors']
+    """
+    slots = dict(slots or {})
+    if slots and optimizer is None:
+        raise ValueError("save_arrays: slots need an optimizer (OptimizerInfo) saying what they are")
+    if optimizer is not None and set(slots) != set(optimizer.slots):
+        raise ValueError(f"save_arrays: slots {sorted(slots)} differ from the optimizer's {list(optimizer.slots)}")
+    specs = [TensorSpec(name, tuple(np.shape(a)), canonical_dtype(np.asarray(a).dtype)) for name, a in params.items()]
+    plan = plan_buckets(specs) if plan is None else plan
+    names = [s.name for s in plan.specs]
+    shards = shard_flat(plan, world_size)
+
+    def flats(arrays: Mapping[str, np.ndarray], kind: str) -> list[np.ndarray]:
+        missing = [n for n in names if n not in arrays]
+        if missing:
+            raise ValueError(f"save_arrays: {kind} lacks {missing}")
+        ordered = [to_storage(arrays[n]) for n in names]
+        return [pack(_stored_plan(plan), b, ordered, length=shards.padded_length(b)) for b in range(plan.num_buckets)]
+
+    all_flats = {"params": flats(params, "params"), **{k: flats(v, k) for k, v in slots.items()}}
+    return save_flats(path, plan=plan, world_size=world_size, flats=all_flats, framework=framework, step=step,
+                      stage=stage, optimizer=optimizer, metadata=metadata)
+
+
+def _stored_plan(plan: BucketPlan) -> BucketPlan:
+    """The plan with bfloat16 renamed to its storage dtype, so ``pack`` accepts the uint16 bits."""
+    if not any(s.dtype == "bfloat16" for s in plan.specs):
+        return plan
+    rename = lambda d: "uint16" if d == "bfloat16" else d
+    specs = tuple(dataclasses.replace(s, dtype=rename(s.dtype)) for s in plan.specs)
+    buckets = tuple(dataclasses.replace(b, dtype=rename(b.dtype)) for b in plan.buckets)
+    return BucketPlan(specs, buckets, plan.size_limits, plan.alignment)
