@@ -19,9 +19,30 @@ from hybrid.core import (MiB, OPTIMIZER_STATE_COPIES, TensorSpec, itemsize, part
 from hybrid.core._spec import check_specs, specs_from_json
 
 
+LEGEND = """\
+What the words mean:
+  plan <fingerprint>  a hash of the bucket plan (names, shapes, dtypes, buckets, offsets); ranks, and the
+                      torch and JAX frontends, build the same plan exactly when their fingerprints match
+  limit               the byte cap the bucket was filled up to; torch's DDP closes a bucket once its bytes
+                      reach it. A first-bucket cap at or above --bucket-cap-mb is ignored, as in torch
+  owned (greedy)      ZeRO-1 (torch's ZeroRedundancyOptimizer): whole tensors per rank, largest first to
+                      the least-loaded rank
+  imbalance           a rank's owned bytes against an even split (total / world size)
+  flat shard          ZeRO-2: every bucket cut in world-size equal slices (padded); the same on every rank
+  ZeRO-1/2 state      optimizer-state bytes a rank keeps; "total" adds parameters and gradients
+  paper formulas      bytes per rank by the ZeRO paper (Rajbhandari et al. 2020, sec. 5), with W the
+                      parameter bytes (gradients as many), K optimizer-state bytes per parameter, P
+                      parameters, N ranks: DDP W + W + K P, ZeRO-1 W + W + K P / N, ZeRO-2 W + W / N + K P / N"""
+
+NEXT = """\
+Next: python -m hybrid demo trains one model with both frontends; examples/torch_train.py (launch with
+torchrun) and examples/jax_train.py (jax.distributed) are training scripts to start from."""
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the bucket plan and ZeRO view of a model",
-                       description="Print the DDP bucket table and per-rank ZeRO view of a model.")
+                       description="Print the DDP bucket table and per-rank ZeRO view of a model.",
+                       epilog=LEGEND + "\n\n" + NEXT, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", choices=sorted(EXAMPLES), help="a built-in example (default: gpt2-small)")
     source.add_argument("--module", metavar="PKG.MOD:FACTORY",
@@ -108,6 +129,7 @@ def build_report(label: str, specs, args) -> dict:
         "source": label, "num_tensors": len(specs), "num_params": memory.num_params,
         "param_bytes": memory.param_bytes, "fingerprint": plan.fingerprint(),
         "bucket_cap_bytes": int(args.bucket_cap_mb * MiB), "first_bucket_cap_bytes": int(args.first_bucket_cap_mb * MiB),
+        "size_limits": list(plan.size_limits),
         "buckets": buckets, "world_size": args.world_size, "optimizer": args.optimizer,
         "state_bytes_per_param": k,
         "formula_bytes_per_rank": {"ddp": memory.ddp, "zero1": memory.zero1, "zero2": memory.zero2},
@@ -118,11 +140,10 @@ def build_report(label: str, specs, args) -> dict:
 def print_report(report: dict) -> None:
     print(f"{report['source']}: {report['num_tensors']} tensors, {report['num_params']:,} parameters, "
           f"{human_bytes(report['param_bytes'])}; plan {report['fingerprint']}")
-    print(f"\nBuckets (reduced in this order; caps {human_bytes(report['first_bucket_cap_bytes'])} first, "
-          f"then {human_bytes(report['bucket_cap_bytes'])}):")
-    print(format_table(["#", "dtype", "device", "tensors", "bytes", "first tensor", "last tensor"],
-                       [[b["index"], b["dtype"], b["device"], b["tensors"], human_bytes(b["bytes"]), b["first"], b["last"]]
-                        for b in report["buckets"]]))
+    print(f"\nBuckets (reduced in this order; {_caps_used(report)}):")
+    print(format_table(["#", "dtype", "device", "tensors", "bytes", "limit", "first tensor", "last tensor"],
+                       [[b["index"], b["dtype"], b["device"], b["tensors"], human_bytes(b["bytes"]),
+                         human_bytes(b["size_limit"]), b["first"], b["last"]] for b in report["buckets"]]))
     f = report["formula_bytes_per_rank"]
     print(f"\nZeRO view, world size {report['world_size']}, {report['optimizer']} "
           f"({report['state_bytes_per_param']} B of optimizer state per parameter):")
@@ -134,6 +155,19 @@ def print_report(report: dict) -> None:
                          human_bytes(r["zero2_total_bytes"])] for r in report["ranks"]]))
     print(f"\nPaper formulas per rank: DDP {human_bytes(f['ddp'])}, ZeRO-1 {human_bytes(f['zero1'])}, "
           f"ZeRO-2 {human_bytes(f['zero2'])}")
+    print(f"\n{LEGEND}\n\n{NEXT}")
+
+
+def _caps_used(report: dict) -> str:
+    """The caps the plan was built with, in words (a first cap not below the cap is dropped, as in torch)."""
+    limits = report["size_limits"]
+    if len(limits) == 1:
+        dropped = ""
+        if report["first_bucket_cap_bytes"] != report["bucket_cap_bytes"]:
+            dropped = (f"; the first-bucket cap {human_bytes(report['first_bucket_cap_bytes'])} is not below it, "
+                       "so it is ignored, as in torch")
+        return f"cap {human_bytes(limits[0])} for every bucket{dropped}"
+    return f"caps {human_bytes(limits[0])} for the first bucket of each dtype and device, then {human_bytes(limits[1])}"
 
 
 def run(args) -> int:

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 BENCHMARKS = ("ddp", "zero", "jax", "pack")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a reader that stops reading (``python -m hybrid plan | head``) ends it quietly."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a broken pipe surfaces here, inside the try, for short outputs
+        return code
+    except BrokenPipeError:
+        # As Unix tools do: no traceback. Point stdout at devnull so the interpreter's own flush
+        # at exit does not raise again (the recipe of Python's signal module documentation).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m hybrid")
     sub = parser.add_subparsers(dest="command", required=True)

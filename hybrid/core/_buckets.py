@@ -194,12 +194,16 @@ def plan_buckets(specs: Sequence[TensorSpec], *, bucket_cap_bytes: int = DEFAULT
     Args:
       specs: parameters in registration order (``module.parameters()`` order).
       bucket_cap_bytes / first_bucket_cap_bytes: byte caps; a tensor larger than a cap sits alone.
+        A ``first_bucket_cap_bytes`` at or above ``bucket_cap_bytes`` is ignored (every bucket
+        gets ``bucket_cap_bytes``), as in torch's DDP; ``plan.size_limits`` holds the caps used.
       size_limits: explicit limit list instead of the two caps (see :func:`ddp_size_limits`).
       alignment: pad every member offset (and the bucket length) to this many elements.
 
     >>> specs = [TensorSpec(f"p{i}", (256,), "float32") for i in range(4)]
     >>> plan_buckets(specs, bucket_cap_bytes=2048, first_bucket_cap_bytes=1024).bucket_indices()
     [[3], [1, 2], [0]]
+    >>> plan_buckets(specs, bucket_cap_bytes=2048, first_bucket_cap_bytes=4096).size_limits
+    (2048,)
     """
     specs = check_specs(specs)
     _check_alignment(alignment)

@@ -12,7 +12,7 @@ import optax
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
-from hybrid.jax._specs import _Layout, axis_size, check_caps
+from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["buckets"], meta_fields=["plan_fingerprint"])
@@ -90,6 +90,7 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name, "bucketed_all_reduce")
+        check_per_device(updates, axis_name, "bucketed_all_reduce")
         layout = layout_of(updates, "bucketed_all_reduce")
         buffers = _buffers(state, layout.plan, persistent_buckets)
         arrays = layout.spec_arrays(updates)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax
 
+from hybrid.jax._specs import varying_axes
+
 
 def local_grad(fun, axis_name, *, argnums: int = 0, has_aux: bool = False):
     """``jax.grad(fun)`` that returns this device's gradient, not the sum over ``axis_name``.
@@ -38,7 +40,6 @@ def local_grad(fun, axis_name, *, argnums: int = 0, has_aux: bool = False):
 
 
 def _varying(x, axis_name):
-    vma = getattr(jax.typeof(x), "vma", frozenset())
-    if axis_name in vma:
+    if axis_name in varying_axes(x):
         return x
     return jax.lax.pcast(x, axis_name, to="varying")

@@ -130,11 +130,61 @@ def check_caps(bucket_cap_bytes, first_bucket_cap_bytes) -> None:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
 
 
+def _bound_axes() -> list[str]:
+    """The axis names bound where we are traced (shard_map's mesh axes, pmap's and vmap's names)."""
+    try:
+        from jax._src import core  # no public API lists them; only used to word an error
+        return sorted(str(a) for a in core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):
+        return []
+
+
 def axis_size(axis_name, what: str) -> int:
-    """Size of a bound mesh axis, or a ValueError that says how to bind it."""
+    """Size of a bound mesh axis, or a ValueError that names the axes that are bound."""
     try:
         return jax.lax.axis_size(axis_name)
     except NameError:
-        raise ValueError(f"{what}: axis name {axis_name!r} is not bound; call it inside "
-                         f"jax.shard_map(..., mesh=Mesh(devices, ({axis_name!r},))) or "
-                         f"jax.pmap(..., axis_name={axis_name!r})") from None
+        bound = _bound_axes()
+        where = (f"the axes bound here are {bound}: a typo, or a mesh axis of another name?" if bound else
+                 f"no axis is bound here; call it inside jax.shard_map(..., mesh=Mesh(devices, "
+                 f"({axis_name!r},))) or jax.pmap(..., axis_name={axis_name!r})")
+        raise ValueError(f"{what}: axis name {axis_name!r} is not bound; {where}") from None
+
+
+def varying_axes(x) -> frozenset:
+    """The manual axes over which ``x``'s value may differ between devices (its type's "vma").
+
+    JAX 0.10 keeps them in ``jax.typeof(x).manual_axis_type.varying``; older JAX in ``.vma``.
+    Outside ``shard_map``, or with ``check_vma=False``, nothing is tracked: the set is empty.
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def tracks_varying(axis_name) -> bool:
+    """Whether JAX tracks which values vary over ``axis_name`` here (``shard_map``, ``check_vma=True``).
+
+    ``axis_index`` varies over its axis by definition, so its type says whether tracking is on;
+    under ``pmap``, ``vmap`` or ``check_vma=False`` it is off.
+    """
+    return axis_name in varying_axes(jax.lax.axis_index(axis_name))
+
+
+def check_per_device(tree, axis_name, what: str) -> None:
+    """Raise if a leaf of ``tree`` is invariant over ``axis_name`` where JAX tracks that.
+
+    Inside ``shard_map`` a gradient of replicated parameters taken with ``jax.grad`` is already
+    summed over the axis (the transpose of the invariant-to-varying cast is a ``psum``) and its
+    type says so: it is invariant. Reducing it again would give ``axis_size`` times the gradient.
+    """
+    if not isinstance(axis_name, str) or not tracks_varying(axis_name):
+        return
+    names, leaves, _ = _leaves(tree)
+    summed = [n for n, x in zip(names, leaves) if axis_name not in varying_axes(x)]
+    if summed:
+        raise ValueError(
+            f"{what}: gradient leaf {summed[0]!r} (and {len(summed) - 1} more) is invariant over "
+            f"{axis_name!r}: inside shard_map, jax.grad of replicated (P()) parameters already sums the "
+            f"gradient over the axis, and reducing it again would scale it by the axis size. Take "
+            f"per-device gradients with hybrid.jax.local_grad(loss, {axis_name!r}) instead of jax.grad")

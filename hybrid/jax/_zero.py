@@ -11,7 +11,7 @@ import optax
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
-from hybrid.jax._specs import _Layout, axis_size, check_caps
+from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device
 
 # optax transforms whose result depends on statistics across elements, leaves or shapes: run on
 # per-bucket flat shards they would silently compute something else. Matched on the qualified name
@@ -24,6 +24,19 @@ NON_ELEMENTWISE = (
     "scale_by_zoom_linesearch", "scale_by_backtracking_linesearch", "scale_by_distance_over_gradients",
     "scale_by_lars", "per_example_global_norm_clip",
 )
+
+_TRUST_RATIO = ("{} scales each leaf by a trust ratio, ||param|| / ||update|| of that whole leaf; on a flat "
+                "shard it would be the ratio of the shard's norms. Use an elementwise optimizer (adamw) inside "
+                "zero, or keep {} unsharded: optax.chain(hybrid.jax.bucketed_all_reduce(axis), optax.{}(...)).")
+# What to do instead, by culprit (the key None for the rest).
+_ADVICE = {
+    "clip_by_global_norm": "For global-norm clipping use hybrid.jax.clip_by_global_norm(max_norm, axis) "
+                           "inside zero: it sums the shards' squared norms over the axis.",
+    "scale_by_trust_ratio": _TRUST_RATIO.format("LAMB (scale_by_trust_ratio)", "lamb", "lamb"),
+    "scale_by_lars": _TRUST_RATIO.format("LARS (scale_by_lars)", "lars", "lars"),
+    None: "Keep such a transform outside zero, after an unsharded reduction "
+          "(optax.chain(hybrid.jax.bucketed_all_reduce(axis), transform)).",
+}
 
 
 def _non_elementwise(inner) -> list[str]:
@@ -123,10 +136,10 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     if check_elementwise:
         bad = _non_elementwise(inner)
         if bad:
+            advice = " ".join(dict.fromkeys(_ADVICE.get(name, _ADVICE[None]) for name in bad))
             raise ValueError(f"zero: inner transform uses {bad}, which depend on statistics across "
-                             f"elements or on tree structure and are not exact on flat shards; use "
-                             f"hybrid.jax.clip_by_global_norm for clipping, or pass "
-                             f"check_elementwise=False if you accept the difference")
+                             f"elements or on tree structure and are not exact on flat shards. {advice} "
+                             f"Or pass check_elementwise=False if you accept the difference")
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
 
     def layout_of(tree, what):
@@ -154,6 +167,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         if not isinstance(state, ZeroState):
             raise TypeError(f"zero.update: state must be the ZeroState from zero.init, got {type(state).__name__}")
         n = axis_size(axis_name, "zero.update")
+        check_per_device(updates, axis_name, "zero.update")
         layout = layout_of(updates, "zero.update")
         shards = layout.shards(n)
         if shards.fingerprint() != state.plan_fingerprint:

@@ -5,8 +5,9 @@ from hybrid.torch._ddp import GradBucket
 from hybrid.torch._ddp import specs
 from hybrid.torch._zero import ZeroRedundancyOptimizer
 from hybrid.torch._zero2 import ZeRO2
+from hybrid.torch._zero2_grads import GradientInShards
 from hybrid.torch._zero_hooks import hook_with_zero_step
 from hybrid.torch._zero_hooks import hook_with_zero_step_interleaved
 
-__all__ = ["DistributedDataParallel", "GradBucket", "ZeRO2", "ZeroRedundancyOptimizer", "hook_with_zero_step",
+__all__ = ["DistributedDataParallel", "GradBucket", "GradientInShards", "ZeRO2", "ZeroRedundancyOptimizer", "hook_with_zero_step",
            "hook_with_zero_step_interleaved", "specs"]

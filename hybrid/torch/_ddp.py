@@ -9,119 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Set
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from hybrid.core import BucketPlan, TensorSpec, canonical_dtype, ddp_size_limits, plan_buckets, rebuild_plan
-from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
-from hybrid import kernels
+from hybrid.core import BucketPlan, ddp_size_limits, plan_buckets, rebuild_plan
+from hybrid.core._reducer_state import ReducerState, start_iteration
+from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
+from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
+from hybrid.torch._reducer import Reducer
 
 _MB = 1024 * 1024
 _BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
 
 
-def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) pairs DDP reduces: requires_grad, not ignored, shared ones once.
-
-    Same order as torch's ``_build_params_for_reducer`` (named_modules, then each module's own
-    parameters), which fixes the registration order the bucket plan is built on.
-    """
-    out, memo = [], set()
-    for mname, m in module.named_modules():
-        for pname, p in m.named_parameters(recurse=False):
-            name = f"{mname}.{pname}" if mname else pname
-            if p.requires_grad and name not in ignore and p not in memo:
-                memo.add(p)
-                out.append((name, p))
-    return out
-
-
-def specs(module: nn.Module) -> list[TensorSpec]:
-    """TensorSpecs of the parameters DDP reduces, in registration order.
-
-    >>> [s.name for s in specs(torch.nn.Linear(2, 3))]
-    ['weight', 'bias']
-    """
-    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype), str(p.device))
-            for n, p in _reduced_parameters(module, ignore)]
-
-
-class GradBucket:
-    """The bucket a comm hook receives; the methods of ``torch.distributed.GradBucket``."""
-
-    def __init__(self, index, buffer, gradients, parameters, is_last):
-        self._index, self._buffer, self._gradients = index, buffer, gradients
-        self._parameters, self._is_last = parameters, is_last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._gradients
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._parameters
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-
-
-def _find_tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _find_tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _find_tensors(o)]
-    return []
-
-
-def _reachable_params(outputs) -> set[int]:
-    """ids of leaf tensors whose AccumulateGrad node is reachable from ``outputs``' graph."""
-    seen, found = set(), set()
-    stack = [t.grad_fn for t in _find_tensors(outputs) if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            found.add(id(var))
-        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-    return found
-
-
-def _bucket_copy_backend(device: torch.device) -> str:
-    """``"cuda"`` when copies between gradients and buckets on ``device`` go through
-    :mod:`hybrid.kernels` (CUDA tensors, library built, unless ``HYBRID_KERNELS=reference``),
-    else ``"reference"``: torch's own (foreach) copies, as on CPU.
-
-    >>> _bucket_copy_backend(torch.device("cpu"))
-    'reference'
-    """
-    if device.type != "cuda":
-        return "reference"
-    return kernels.resolve_backend(None, on_cuda=True)
-
-
-def _unsupported(name, value, default):
-    if value is not default and value != default:
-        raise NotImplementedError(f"hybrid.torch.DistributedDataParallel does not support {name}={value!r}")
-
-
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -330,6 +235,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- forward ----------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        # Under torch.compile only the wrapped module is traced: the reducer's bookkeeping runs
+        # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
+        # iteration counter, the rebuild flag), which changed every step and recompiled each time.
+        grad_sync = self._pre_forward()
+        out = self.module(*inputs, **kwargs)
+        self._post_forward(out, grad_sync)
+        return out
+
+    @torch.compiler.disable
+    def _pre_forward(self) -> bool:
         # The order of collectives below is torch's _pre_forward's; a joined rank's _JoinHook
         # issues the matching ones in the same order.
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -346,7 +261,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sync_buffers()
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
-        out = self.module(*inputs, **kwargs)
+        return grad_sync
+
+    @torch.compiler.disable
+    def _post_forward(self, out, grad_sync: bool) -> None:
         if grad_sync:
             self._state = self._start_state
             self._iteration += 1
@@ -359,7 +277,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             elif self.static_graph and self._static_unused is not None:
                 self._pending_unused = self._static_unused  # found in the first iteration
             self._expect_hooks = True
-        return out
 
     def _maybe_rebuild(self) -> None:
         if (not self._has_rebuilt and self._last_order is not None
@@ -411,198 +328,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"{', '.join(self._names[i] for i in missing)}")
 
     # ---- backward ---------------------------------------------------------------------------
-
-    def _make_hook(self, index: int):
-        on_ready = self._on_ready  # bound once, not on every gradient
-
-        def hook(param):
-            if self._expect_hooks and self.require_backward_grad_sync:
-                on_ready(index, param)
-        return hook
-
-    def _on_ready(self, index: int, param) -> None:
-        # Runs once per gradient inside autograd: keep it to the state transition plus, for a big
-        # gradient, torch's fused copy-and-scale; small gradients are copied per bucket at launch.
-        state = self._state
-        if not state.num_ready:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        if self._static_unused is not None and index in self._static_unused:
-            raise RuntimeError(
-                "Your training graph has changed in this iteration, e.g., one parameter is unused in "
-                "first iteration, but then got used in the second iteration. this is not compatible "
-                f"with static_graph set to True. Parameter: {self._names[index]}")
-        if self._fuse_at_hook[index]:
-            grad, view = param.grad, self._views[index]
-            if grad is not None and grad.data_ptr() != view.data_ptr():
-                torch.mul(grad, self._inv_div, out=view)
-                self._scaled_in[index] = self._iteration
-        state, launch = mark_ready(state, index)
-        if self._delaying:
-            # static_graph's first iteration: only record; _finalize reduces everything at the end
-            # (torch's delay_all_reduce), once it knows which parameters the graph leaves unused.
-            object.__setattr__(self, "_state", state)
-            return
-        if self._pending_unused and not state.unused:
-            state, more = mark_unused(state, self._pending_unused)
-            launch += more
-        # object.__setattr__: nn.Module.__setattr__ costs microseconds per call, once per gradient.
-        object.__setattr__(self, "_state", state)
-        for b in launch:
-            self._launch(b)
-        if launch and state.finished and self.find_unused_parameters and not self.static_graph:
-            # torch all-reduces the local-used map right after the last bucket launches.
-            used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
-            for i in self._pending_unused:
-                used[i] = 0
-            self._local_used = used
-            self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
-
-    # From this many elements on, scaling while copying in the hook (one pass over memory, torch's
-    # mul_out) beats a batched copy and a multiply at launch; below it per-call overhead dominates.
-    _FUSED_SCALE_NUMEL = 1 << 16
-
-    def _fill_bucket(self, b: int) -> None:
-        """Bring bucket ``b``'s gradients into its buffer, divided by the world size when no comm
-        hook runs (a hook divides itself), as torch does: x * (1/n) for copied gradients (mul_out),
-        x / n for gradients already living in the bucket (``gradient_as_bucket_view``: div_)."""
-        members = self.bucket_plan.buckets[b].members
-        params, views, it, scaled_in = self._params, self._views, self._iteration, self._scaled_in
-        dst, src, in_place = [], [], []
-        for m in members:
-            if scaled_in[m] == it:
-                continue  # copied and scaled in its hook
-            grad, view = params[m].grad, views[m]
-            if grad is None:
-                view.zero_()  # an unused parameter contributes zeros; zero stays zero
-            elif grad.data_ptr() == view.data_ptr():
-                in_place.append(view)
-            else:
-                dst.append(view)
-                src.append(grad)
-        scale = self._comm_hook is None
-        if dst:
-            if self._kernel_copy and len(dst) == len(members):
-                # One launch for the whole bucket, the scale fused in (hybrid.kernels).
-                kernels.gather(self.bucket_plan, b, [p.grad for p in params], out=self._bufs[b],
-                               scale=self._inv_div if scale else None, backend="cuda")
-                return
-            torch._foreach_copy_(dst, src)
-            if scale:
-                if len(dst) == len(members):
-                    self._bufs[b].mul_(self._inv_div)  # one op for a bucket of many small grads
-                else:
-                    torch._foreach_mul_(dst, self._inv_div)
-        if in_place and scale:
-            if len(in_place) == len(members):
-                self._bufs[b].div_(self._div_factor)
-            else:
-                torch._foreach_div_(in_place, self._div_factor)
-
-    def _launch(self, b: int) -> None:
-        self._fill_bucket(b)
-        buf = self._bufs[b]
-        if self._comm_hook is None:
-            fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
-        else:
-            fut = self._run_comm_hook(b, buf)
-        self._futures.append(fut)
-
-    def _run_comm_hook(self, b: int, buf: torch.Tensor):
-        """The registered comm hook on bucket ``b`` with ``buf`` as its flat buffer (DDP's own
-        buffer, or zeros when a joined rank shadows the others' backward)."""
-        state, hook = self._comm_hook
-        spec = self.bucket_plan.buckets[b]
-        views = ([self._views[m] for m in spec.members] if buf is self._bufs[b]
-                 else self._bucket_views(spec, buf))
-        bucket = GradBucket(b, buf, views, [self._params[m] for m in spec.members], self._bucket_is_last[b])
-        fut = hook(state, bucket)
-        if not isinstance(fut, torch._C.Future):  # torch.futures.Future and get_future()'s C type
-            raise RuntimeError("Communication hook: callback must return a torch.futures.Future "
-                               f"object, but got {type(fut).__name__}.")
-        return fut
-
-    def _finalize(self) -> None:
-        state = self._state
-        if self.static_graph and self._static_unused is None:
-            state = self._delay_all_reduce(state)
-        if not state.finished:
-            return  # reported by the next forward, as torch does
-        # Without unused parameters, each bucket's gradients are written back as soon as that
-        # bucket is reduced, while later buckets are still in flight (torch's finalize_backward
-        # order); with unused ones, which to skip is known only once every bucket is in.
-        stream = not state.unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
-        for b, fut in enumerate(self._futures):
-            value = fut.wait()
-            if isinstance(value, (list, tuple)):
-                value = value[0]
-            if isinstance(value, torch.Tensor) and value.data_ptr() != self._bufs[b].data_ptr():
-                self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
-            if stream:
-                self._write_back(b, frozenset())
-        globally_unused = set()
-        if state.unused and self._static_globally_unused is not None:
-            globally_unused = self._static_globally_unused
-        elif state.unused:
-            if self._used_work is not None:
-                self._used_work.wait()
-            globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
-            if self.static_graph:
-                self._static_globally_unused = globally_unused
-        # Nothing to do when streamed above, or for a ZeRO-2 hook (it keeps only its gradient
-        # slice: .grad stays None).
-        if stream or self._comm_hook_owns_grads:
-            pass
-        elif self.gradient_as_bucket_view:
-            for i, (p, view) in enumerate(zip(self._params, self._views)):
-                if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
-                    p.grad = view
-        else:
-            for b in range(len(self.bucket_plan.buckets)):
-                self._write_back(b, globally_unused)
-        if self._last_order is None:
-            self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
-                if self.static_graph else state.ready_order
-        self._futures = []
-        self._expect_hooks = False
-
-    def _write_back(self, b: int, skip: Set[int]) -> None:
-        """Reduced bucket ``b`` into its parameters' ``.grad`` (torch's copy_bucket_to_grad), in
-        one call: a kernel launch on CUDA (hybrid.kernels), a foreach copy on CPU."""
-        params, views, members = self._params, self._views, self.bucket_plan.buckets[b].members
-        grads = [params[m].grad for m in members]
-        if (self._kernel_copy and not skip.intersection(members)
-                and all(g is not None and g.is_contiguous() for g in grads)):
-            kernels.scatter(self.bucket_plan, b, self._bufs[b], [p.grad for p in params], backend="cuda")
-            return
-        dst, src = [], []
-        for m, g in zip(members, grads):
-            if m in skip:
-                continue
-            if g is None:
-                params[m].grad = views[m].clone()
-            else:
-                dst.append(g)
-                src.append(views[m])
-        if dst:
-            torch._foreach_copy_(dst, src)
-
-    def _delay_all_reduce(self, state: ReducerState) -> ReducerState:
-        """static_graph, first iteration: unused = no hook fired; then every bucket, in order."""
-        unused = state.missing()
-        state, _ = mark_unused(state, unused)
-        self._static_unused = unused
-        self._pending_unused = unused
-        object.__setattr__(self, "_state", state)
-        for b in range(len(self._bufs)):
-            self._launch(b)
-        if unused:
-            used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
-            used[list(unused)] = 0
-            self._local_used = used
-            self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
-        return state
-
-    # ---- torch API --------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self):

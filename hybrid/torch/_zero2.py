@@ -23,22 +23,13 @@ from torch.optim import Optimizer
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
 from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
+from hybrid.torch._zero2_grads import GradientInShards, clip_grad_norm_
+from hybrid.torch._zero2_state import ShardedState, _all_gather, _take
 
 __all__ = ["ZeRO2"]
 
 # torch 2.13 renamed the flat collectives (the old names warn); older torch has only the old ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _take(shards: FlatShardPlan, b: int, rank: int, full: dict[int, torch.Tensor], *,
-          dtype: torch.dtype) -> torch.Tensor:
-    """Rank ``rank``'s slice of bucket ``b`` built from whole per-tensor values (zeros in padding)."""
-    out = torch.zeros(shards.shard_sizes[b], dtype=dtype, device=next(iter(full.values())).device)
-    for s in shards.member_slices(b, rank):
-        if s.tensor in full:  # tensors without this state (another group's) leave zeros
-            out[s.shard_offset:s.shard_offset + s.stop - s.start] = full[s.tensor].reshape(-1)[s.start:s.stop]
-    return out
 
 
 class _ZeRO2JoinHook(JoinHook):
@@ -54,13 +45,16 @@ class _ZeRO2JoinHook(JoinHook):
         self.zero.zero_grad(set_to_none=True)
 
 
-class ZeRO2(Optimizer, Joinable):
+class ZeRO2(ShardedState, Optimizer, Joinable):
     """Any ``torch.optim`` optimizer with gradients and state sharded flat over the DDP's ranks.
 
     Registers a comm hook on ``module`` (a :class:`hybrid.torch.DistributedDataParallel`) that
     reduce-scatters every gradient bucket instead of all-reducing it (on gloo: all-reduces it and
-    keeps the slice, which is faster there). After ``backward()`` the
-    parameters' ``.grad`` are ``None``: each rank holds only its slice of the averaged gradient.
+    keeps the slice, which is faster there). After ``backward()`` each rank holds only its slice
+    of the averaged gradient; the parameters' ``.grad`` hold a :class:`GradientInShards` stand-in
+    that raises a ``TypeError`` naming the parameter when used (so
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` fails loudly instead of clipping
+    nothing). Clip with :meth:`clip_grad_norm_` / :meth:`clip_grad_value_`, exact over the slices.
     ``step()`` updates this rank's slice of every bucket with ``optimizer_class`` and all-gathers
     the parameters, so every rank ends the step with the same full model, as DDP + the plain
     optimizer would. Works from the first iteration; when DDP rebuilds its buckets (after the
@@ -88,8 +82,10 @@ class ZeRO2(Optimizer, Joinable):
     ...     {"params": [ddp.module.weight], "weight_decay": 0.1},
     ...     {"params": [ddp.module.bias], "weight_decay": 0.0}])
     >>> ddp(torch.ones(3, 4)).sum().backward()
-    >>> ddp.module.weight.grad is None, opt.grad_numel()
-    (True, 10)
+    >>> ddp.module.weight.grad, opt.grad_numel()
+    (GradientInShards('weight', shape=(2, 4)), 10)
+    >>> opt.clip_grad_norm_(1.0)  # the norm of the whole gradient, as torch's clip_grad_norm_ returns
+    tensor(9.4868)
     >>> opt.step()
     >>> opt.zero_grad()
     >>> [g["weight_decay"] for g in opt.state_dict()["param_groups"]]
@@ -136,6 +132,8 @@ class ZeRO2(Optimizer, Joinable):
         self.state = self.optim.state
         module.register_comm_hook(None, self._hook)
         module._comm_hook_owns_grads = True
+        # The stand-ins must be gone before autograd accumulates into .grad again.
+        module.register_forward_pre_hook(lambda *_: self._drop_stand_ins())
 
     def _resolve_groups(self, param_groups) -> tuple[list[int], list[int], list[dict[str, Any]]]:
         """Validate torch-style groups against the DDP's parameters (each exactly once)."""
@@ -192,81 +190,6 @@ class ZeRO2(Optimizer, Joinable):
     def _masters_of(self, group: int) -> list[torch.Tensor]:
         return [m for seg, m in zip(self._segments, self._masters) if seg.group == group]
 
-    def _relayout(self, plan: BucketPlan) -> None:
-        """Move master weights and optimizer state to ``plan``'s slices (DDP rebuilt its buckets).
-
-        Every rank holds the full parameters after each step, so the new master segments are cut
-        locally; the state goes through whole per-parameter tensors and is re-cut.
-        """
-        per_param = self._state_per_param()
-        self._set_param_plan(plan)
-        for g, group in enumerate(self.optim.param_groups):
-            group["params"] = self._masters_of(g)
-        self._load_state(per_param)
-
-    def _state_per_param(self) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
-        """``{DDP index: (sliced state as whole tensors, scalar state)}``. A collective.
-
-        Slices of each state tensor are all-gathered bucket by bucket. Which keys exist, and the
-        scalar state (Adam's ``step``), are agreed per group over the ranks first: a rank may hold
-        no element of a small group.
-        """
-        local: dict[int, tuple[dict[str, Any], dict[str, str]]] = {}
-        for seg, master in zip(self._segments, self._masters):
-            scalars, sliced = local.setdefault(seg.group, ({}, {}))
-            for k, v in self.optim.state.get(master, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() == 1:
-                    sliced[k] = str(v.dtype).removeprefix("torch.")
-                else:
-                    scalars[k] = v
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, local, group=self.process_group)
-        scalars_of: dict[int, dict[str, Any]] = {}
-        sliced_of: dict[int, dict[str, str]] = {}
-        for theirs in everyone:
-            for g, (scalars, sliced) in theirs.items():
-                for k, v in scalars.items():
-                    scalars_of.setdefault(g, {}).setdefault(k, v)
-                sliced_of.setdefault(g, {}).update(sliced)
-        out: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {
-            i: ({}, dict(scalars_of.get(g, {}))) for i, g in enumerate(self._group_of)}
-        dtypes = {k: d for sliced in sliced_of.values() for k, d in sliced.items()}
-        device = self._flat_params[0].device
-        for key in sorted(dtypes):
-            slices = [torch.zeros(n, dtype=getattr(torch, dtypes[key]), device=device)
-                      for n in self._shards.shard_sizes]
-            for seg, master in zip(self._segments, self._masters):
-                value = self.optim.state.get(master, {}).get(key)
-                if isinstance(value, torch.Tensor):
-                    slices[seg.bucket][seg.lo:seg.hi] = value
-            for i, t in self._gather_per_tensor(self._plan, self._shards, slices).items():
-                if key in sliced_of.get(self._group_of[i], {}):
-                    out[i][0][key] = t.view(self._params[i].shape).clone()
-        return out
-
-    def _load_state(self, per_param: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]) -> None:
-        """Set every master segment's state from whole per-parameter values (no communication)."""
-        keys_of: dict[int, set[str]] = {}
-        scalars_of: dict[int, dict[str, Any]] = {}
-        full_of: dict[str, dict[int, torch.Tensor]] = {}  # key -> {DDP index: whole value}
-        for i, (sliced, scalars) in per_param.items():
-            keys_of.setdefault(self._group_of[i], set()).update(sliced)
-            scalars_of.setdefault(self._group_of[i], {}).update(scalars)
-            for key, value in sliced.items():
-                full_of.setdefault(key, {})[i] = value
-        slices: dict[tuple[int, str], torch.Tensor] = {}
-        self.optim.state.clear()
-        for seg, master in zip(self._segments, self._masters):
-            st: dict[str, Any] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                  for k, v in scalars_of.get(seg.group, {}).items()}
-            for key in sorted(keys_of.get(seg.group, ())):
-                if (seg.bucket, key) not in slices:
-                    slices[seg.bucket, key] = _take(self._shards, seg.bucket, self.rank, full_of[key],
-                                                    dtype=torch.float32)
-                st[key] = slices[seg.bucket, key][seg.lo:seg.hi].clone()
-            if st:
-                self.optim.state[master] = st
-
     def _set_grad_plan(self, plan: BucketPlan) -> None:
         """Lay the gradient slices out for ``plan``; slices being accumulated are re-cut.
 
@@ -280,18 +203,6 @@ class ZeRO2(Optimizer, Joinable):
             grads = [_take(shards, b, self.rank, full, dtype=torch.float32) for b in range(len(plan.buckets))]
         self._grad_plan, self._grad_shards, self._grads = plan, shards, grads
         self._padded = [None] * len(plan.buckets)
-
-    def _gather_per_tensor(self, plan: BucketPlan, shards: FlatShardPlan,
-                           slices: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """``{tensor index: whole flat value}`` from every rank's slice of every bucket."""
-        out = {}
-        for b, piece in enumerate(slices):
-            full = torch.empty(shards.padded_length(b), dtype=piece.dtype, device=piece.device)
-            _all_gather(full, piece.contiguous(), group=self.process_group)
-            bucket = plan.buckets[b]
-            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                out[m] = full[o:o + n]
-        return out
 
     # -- the comm hook ---------------------------------------------------------------------------
 
@@ -316,9 +227,8 @@ class ZeRO2(Optimizer, Joinable):
         src.div_(self.world_size)  # torch's allreduce_hook: divide, then sum
         out = torch.empty(self._grad_shards.shard_sizes[b], dtype=buf.dtype, device=buf.device)
         fut = self._future_of(_reduce_scatter(out, src, group=self.process_group, async_op=True))
-        for p in bucket.parameters():
-            # The bucket holds the local gradient now; the full tensor need not live on.
-            p.grad = None
+        # The bucket holds the local gradient now; the full tensor need not live on.
+        self._stand_in_grads(bucket)
 
         def keep_slice(_):
             g = out.float()
@@ -334,8 +244,7 @@ class ZeRO2(Optimizer, Joinable):
         buf = bucket.buffer()
         buf.div_(self.world_size)
         fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
-        for p in bucket.parameters():
-            p.grad = None
+        self._stand_in_grads(bucket)
         start, stop = self._grad_shards.shard_range(b, self.rank)
 
         def keep_slice(_):
@@ -348,6 +257,15 @@ class ZeRO2(Optimizer, Joinable):
                 self._grads[b].add_(g)
             return buf
         return fut.then(keep_slice)
+
+    def _stand_in_grads(self, bucket: GradBucket) -> None:
+        for p in bucket.parameters():
+            p.grad = GradientInShards.of(p, self._ddp._names[self._ddp._index_of[id(p)]])
+
+    def _drop_stand_ins(self) -> None:
+        for p in self._params:
+            if isinstance(p.grad, GradientInShards):
+                p.grad = None
 
     def _future_of(self, work) -> torch.futures.Future:
         """The work's future; gloo's reduce-scatter has none, so a helper thread waits for it.
@@ -384,6 +302,25 @@ class ZeRO2(Optimizer, Joinable):
         return sum(v.numel() for s in self.optim.state.values() for v in s.values()
                    if isinstance(v, torch.Tensor) and v.dim() > 0)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradient slices of every rank; a collective.
+
+        The norm is that of the whole averaged gradient (one all-reduce of the ranks' partial
+        norms), returned on every rank as FSDP's ``clip_grad_norm_`` does; every slice is scaled by
+        ``min(max_norm / (norm + 1e-6), 1)``, as torch scales ``.grad``. Call it between
+        ``backward()`` and ``step()`` on every rank; ``max_norm=float("inf")`` only measures.
+        """
+        slices = [g for g in self._grads if g is not None]
+        return clip_grad_norm_(slices, max_norm, norm_type, group=self.process_group, device=self.join_device,
+                               error_if_nonfinite=error_if_nonfinite)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` on this rank's gradient slices (elementwise: exact)."""
+        for g in self._grads:
+            if g is not None:
+                g.clamp_(min=-clip_value, max=clip_value)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradient slices; the parameters' own ``.grad`` stay ``None``."""
         if set_to_none:
@@ -394,52 +331,6 @@ class ZeRO2(Optimizer, Joinable):
                     g.zero_()
         for p in self._params:
             p.grad = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state in torch's per-parameter format, as the plain optimizer over the same
-        parameter groups would return it (indices numbered group by group, as torch does; with no
-        groups given, DDP's parameter order). A collective: call it on every rank.
-        """
-        per_param = self._state_per_param()
-        state = {}
-        for pos, i in enumerate(self._torch_order):
-            sliced, scalars = per_param[i]
-            st = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}, **sliced}
-            if st:
-                state[pos] = st
-        groups, pos = [], 0
-        for g, group in enumerate(self.optim.param_groups):
-            size = self._group_of.count(g)
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(pos, pos + size))})
-            pos += size
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's per-parameter format (e.g. a plain optimizer's ``state_dict()`` over the
-        same groups); each rank keeps its slices. Tensors shaped like their parameter are sliced;
-        others (``step``) copied.
-        """
-        groups = state_dict["param_groups"]
-        sizes = [self._group_of.count(g) for g in range(len(self.optim.param_groups))]
-        if [len(g["params"]) for g in groups] != sizes:
-            raise ValueError(f"ZeRO2.load_state_dict: the state dict has groups of {[len(g['params']) for g in groups]} "
-                             f"parameters, this optimizer {sizes}")
-        index_of = {saved: self._torch_order[pos] for pos, saved in
-                    enumerate(i for g in groups for i in g["params"])}
-        per_param: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {i: ({}, {}) for i in self._torch_order}
-        for saved, st in state_dict["state"].items():
-            i = index_of[int(saved)]
-            for key, value in st.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.shape == self._params[i].shape:
-                    per_param[i][0][key] = value.detach().reshape(-1).float()
-                else:
-                    per_param[i][1][key] = value
-        self._load_state(per_param)
-        for group, saved in zip(self.optim.param_groups, groups):
-            for k, v in saved.items():
-                if k != "params":
-                    group[k] = v
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:

@@ -83,3 +83,41 @@ def test_bad_spec_in_file(tmp_path):
     path.write_text(json.dumps([{"name": "a", "shape": [3], "dtype": "float99"}]))
     out = run_cli("--specs", str(path))
     assert out.returncode != 0 and "float99" in out.stderr
+
+
+def test_caps_printed_are_the_caps_used():
+    # torch's DDP drops a first-bucket cap that is not below the cap; the plan does too, and so
+    # must the text: every bucket of --bucket-cap-mb 0.02 is filled to 20.48 KiB, none to 1 MiB.
+    out = run_cli("--model", "mlp", "--bucket-cap-mb", "0.02")
+    assert out.returncode == 0, out.stderr
+    caps_line = next(line for line in out.stdout.splitlines() if line.startswith("Buckets"))
+    assert "cap 20.48 KiB for every bucket" in caps_line and "ignored" in caps_line
+    report = json.loads(run_cli("--model", "mlp", "--bucket-cap-mb", "0.02", "--json").stdout)
+    assert report["size_limits"] == [int(0.02 * 2**20)]
+    assert {b["size_limit"] for b in report["buckets"]} == {int(0.02 * 2**20)}
+    default = run_cli("--model", "mlp").stdout
+    assert "caps 1.00 MiB for the first bucket of each dtype and device, then 25.00 MiB" in default
+
+
+def test_output_explains_its_words_and_points_onwards():
+    text = run_cli("--model", "mlp").stdout
+    helptext = run_cli("--help").stdout
+    for out in (text, helptext):
+        for word in ("fingerprint", "flat shard", "imbalance", "paper formulas", "python -m hybrid demo",
+                     "examples/torch_train.py", "torchrun", "examples/jax_train.py"):
+            assert word in out, word
+    assert text.rstrip().endswith("are training scripts to start from.")
+
+
+def test_closed_pipe_ends_quietly(tmp_path):
+    # Like `python -m hybrid plan | head -1`: the reader goes away after one line. The output
+    # (one bucket per tensor, thousands of rows) is far larger than a pipe's buffer.
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps([{"name": f"t{i}", "shape": [1000], "dtype": "float32"} for i in range(4000)]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid", "plan", "--specs", str(path), "--bucket-cap-mb", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.readline().startswith(str(path).encode())
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) != 0 and stderr == "", stderr

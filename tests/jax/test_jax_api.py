@@ -67,19 +67,65 @@ def test_data_parallel_gradient_equals_full_batch(world_size):
     params, (x, y) = make_params(), make_batch(0)
 
     def dp_grads(params, x, y):
-        trap = jax.grad(loss)(params, x, y)  # already summed over "dp" by JAX's transposition
         local = hj.local_grad(loss, "dp")(params, x, y)
-        return tx.update(local, tx.init(params))[0], tx.update(trap, tx.init(params))[0]
+        return tx.update(local, tx.init(params))[0]
 
-    got, trapped = jax.jit(jax.shard_map(dp_grads, mesh=mesh, in_specs=(P(), P("dp"), P("dp")),
-                                         out_specs=(P(), P()), check_vma=True))(params, x, y)
+    got = jax.jit(jax.shard_map(dp_grads, mesh=mesh, in_specs=(P(), P("dp"), P("dp")),
+                                out_specs=P(), check_vma=True))(params, x, y)
     want = jax.grad(loss)(params, x, y)
-    for g, t, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(trapped),
-                       jax.tree_util.tree_leaves(want)):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         # the mean of per-device mean-loss gradients vs one full-batch mean: a few ulps apart
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1.3e-6, atol=1e-6)
-        # the trap: a DDP-style mean on top of jax.grad's implicit psum is world_size x too large
-        np.testing.assert_allclose(np.asarray(t), world_size * np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def _jax_grad_step(name, **shard_map_kwargs):
+    """A jitted shard_map step feeding plain jax.grad gradients to the transform ``name``."""
+    tx = {"bucketed_all_reduce": optax.chain(hj.bucketed_all_reduce("dp"), optax.sgd(1.0)),
+          "zero1": hj.zero(optax.sgd(1.0), "dp", stage=1),
+          "zero2": hj.zero(optax.sgd(1.0), "dp", stage=2)}[name]
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+
+    def step(params, x, y):
+        return tx.update(jax.grad(loss)(params, x, y), tx.init(params), params)[0]
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=P(),
+                                 **shard_map_kwargs))
+
+
+@pytest.mark.parametrize("name", ["bucketed_all_reduce", "zero1", "zero2"])
+def test_jax_grad_inside_shard_map_is_refused(name):
+    # jax.grad of P() params under shard_map is already the sum over "dp"; reducing it again gave
+    # world_size x the update, silently. The type says so (invariant), so it is caught at trace time.
+    with pytest.raises(ValueError, match=r"gradient leaf '.+' .*invariant over 'dp'.*hybrid\.jax\.local_grad"):
+        _jax_grad_step(name)(make_params(), *make_batch(0))
+
+
+@pytest.mark.parametrize("name", ["bucketed_all_reduce", "zero1", "zero2"])
+def test_per_device_grads_accepted_where_jax_tracks_no_variance(name):
+    # With check_vma=False (and under pmap) jax.grad does not sum over the axis: the gradient is
+    # per device, nothing to catch, and one reduction gives the full-batch SGD step.
+    params, (x, y) = make_params(), make_batch(0)
+    got = _jax_grad_step(name, check_vma=False)(params, x, y)
+    want = jax.tree_util.tree_map(lambda g: -g, jax.grad(loss)(params, x, y))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1.3e-6, atol=1e-6)
+
+
+def test_local_grad_of_varying_params():
+    # Parameters that already vary over the axis (P("dp") in_specs) are differentiated as they are;
+    # the check reads JAX 0.10's manual_axis_type (the old .vma attribute no longer exists).
+    mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
+    f = jax.shard_map(lambda w, x: hj.local_grad(lambda w, x: jnp.sum(w * x), "dp")(w, x), mesh=mesh,
+                      in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
+    np.testing.assert_array_equal(np.asarray(f(jnp.ones(4), jnp.arange(4.0))), [0.0, 1.0, 2.0, 3.0])
+
+
+def test_unbound_axis_names_the_bound_ones():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+    tx = hj.bucketed_all_reduce("batch")
+    with pytest.raises(ValueError, match=r"axis name 'batch' is not bound; the axes bound here are \['dp'\]"):
+        jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh, in_specs=P("dp"),
+                      out_specs=P("dp"))(jnp.ones(4))
 
 
 def _transforms():
@@ -143,6 +189,13 @@ def test_non_elementwise_inner_refused(inner, culprit):
     with pytest.raises(ValueError, match=culprit):
         hj.zero(inner, "dp")
     hj.zero(inner, "dp", check_elementwise=False)  # the explicit opt-out is accepted
+
+
+def test_lamb_refusal_names_the_trust_ratio():
+    with pytest.raises(ValueError) as e:
+        hj.zero(optax.lamb(1e-3), "dp")
+    assert "trust ratio" in str(e.value) and "bucketed_all_reduce" in str(e.value)
+    assert "clip_by_global_norm" not in str(e.value)
 
 
 @pytest.mark.parametrize("inner", [optax.adamw(1e-3), optax.lion(1e-3), optax.sgd(0.1, momentum=0.9),

@@ -2,9 +2,13 @@
 
 import doctest
 
+import pytest
+
 import hybrid.torch._ddp
+import hybrid.torch._ddp_parts
 
 
-def test_ddp_doctests():
-    result = doctest.testmod(hybrid.torch._ddp)
+@pytest.mark.parametrize("module", [hybrid.torch._ddp, hybrid.torch._ddp_parts])
+def test_ddp_doctests(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

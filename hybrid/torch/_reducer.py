@@ -1,0 +1,210 @@
+"""The reducer half of hybrid's DDP: gradient-ready hooks, filling and launching buckets, finalize.
+
+The per-iteration bookkeeping is the explicit ``ReducerState`` of ``hybrid.core._reducer_state``;
+these methods move tensors and issue the collectives (torch's C++ ``Reducer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+import torch
+import torch.distributed as dist
+
+from hybrid import kernels
+from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
+from hybrid.torch._ddp_parts import GradBucket
+
+
+class Reducer:
+    """Mixed into :class:`hybrid.torch.DistributedDataParallel`, which owns the attributes used."""
+
+    def _make_hook(self, index: int):
+        on_ready = self._on_ready  # bound once, not on every gradient
+
+        def hook(param):
+            if self._expect_hooks and self.require_backward_grad_sync:
+                on_ready(index, param)
+        return hook
+
+    def _on_ready(self, index: int, param) -> None:
+        # Runs once per gradient inside autograd: keep it to the state transition plus, for a big
+        # gradient, torch's fused copy-and-scale; small gradients are copied per bucket at launch.
+        state = self._state
+        if not state.num_ready:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self._static_unused is not None and index in self._static_unused:
+            raise RuntimeError(
+                "Your training graph has changed in this iteration, e.g., one parameter is unused in "
+                "first iteration, but then got used in the second iteration. this is not compatible "
+                f"with static_graph set to True. Parameter: {self._names[index]}")
+        if self._fuse_at_hook[index]:
+            grad, view = param.grad, self._views[index]
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                torch.mul(grad, self._inv_div, out=view)
+                self._scaled_in[index] = self._iteration
+        state, launch = mark_ready(state, index)
+        if self._delaying:
+            # static_graph's first iteration: only record; _finalize reduces everything at the end
+            # (torch's delay_all_reduce), once it knows which parameters the graph leaves unused.
+            object.__setattr__(self, "_state", state)
+            return
+        if self._pending_unused and not state.unused:
+            state, more = mark_unused(state, self._pending_unused)
+            launch += more
+        # object.__setattr__: nn.Module.__setattr__ costs microseconds per call, once per gradient.
+        object.__setattr__(self, "_state", state)
+        for b in launch:
+            self._launch(b)
+        if launch and state.finished and self.find_unused_parameters and not self.static_graph:
+            # torch all-reduces the local-used map right after the last bucket launches.
+            used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
+            for i in self._pending_unused:
+                used[i] = 0
+            self._local_used = used
+            self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
+
+    # From this many elements on, scaling while copying in the hook (one pass over memory, torch's
+    # mul_out) beats a batched copy and a multiply at launch; below it per-call overhead dominates.
+    _FUSED_SCALE_NUMEL = 1 << 16
+
+    def _fill_bucket(self, b: int) -> None:
+        """Bring bucket ``b``'s gradients into its buffer, divided by the world size when no comm
+        hook runs (a hook divides itself), as torch does: x * (1/n) for copied gradients (mul_out),
+        x / n for gradients already living in the bucket (``gradient_as_bucket_view``: div_)."""
+        members = self.bucket_plan.buckets[b].members
+        params, views, it, scaled_in = self._params, self._views, self._iteration, self._scaled_in
+        dst, src, in_place = [], [], []
+        for m in members:
+            if scaled_in[m] == it:
+                continue  # copied and scaled in its hook
+            grad, view = params[m].grad, views[m]
+            if grad is None:
+                view.zero_()  # an unused parameter contributes zeros; zero stays zero
+            elif grad.data_ptr() == view.data_ptr():
+                in_place.append(view)
+            else:
+                dst.append(view)
+                src.append(grad)
+        scale = self._comm_hook is None
+        if dst:
+            if self._kernel_copy and len(dst) == len(members):
+                # One launch for the whole bucket, the scale fused in (hybrid.kernels).
+                kernels.gather(self.bucket_plan, b, [p.grad for p in params], out=self._bufs[b],
+                               scale=self._inv_div if scale else None, backend="cuda")
+                return
+            torch._foreach_copy_(dst, src)
+            if scale:
+                if len(dst) == len(members):
+                    self._bufs[b].mul_(self._inv_div)  # one op for a bucket of many small grads
+                else:
+                    torch._foreach_mul_(dst, self._inv_div)
+        if in_place and scale:
+            if len(in_place) == len(members):
+                self._bufs[b].div_(self._div_factor)
+            else:
+                torch._foreach_div_(in_place, self._div_factor)
+
+    def _launch(self, b: int) -> None:
+        self._fill_bucket(b)
+        buf = self._bufs[b]
+        if self._comm_hook is None:
+            fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
+        else:
+            fut = self._run_comm_hook(b, buf)
+        self._futures.append(fut)
+
+    def _run_comm_hook(self, b: int, buf: torch.Tensor):
+        """The registered comm hook on bucket ``b`` with ``buf`` as its flat buffer (DDP's own
+        buffer, or zeros when a joined rank shadows the others' backward)."""
+        state, hook = self._comm_hook
+        spec = self.bucket_plan.buckets[b]
+        views = ([self._views[m] for m in spec.members] if buf is self._bufs[b]
+                 else self._bucket_views(spec, buf))
+        bucket = GradBucket(b, buf, views, [self._params[m] for m in spec.members], self._bucket_is_last[b])
+        fut = hook(state, bucket)
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future and get_future()'s C type
+            raise RuntimeError("Communication hook: callback must return a torch.futures.Future "
+                               f"object, but got {type(fut).__name__}.")
+        return fut
+
+    def _finalize(self) -> None:
+        state = self._state
+        if self.static_graph and self._static_unused is None:
+            state = self._delay_all_reduce(state)
+        if not state.finished:
+            return  # reported by the next forward, as torch does
+        # Without unused parameters, each bucket's gradients are written back as soon as that
+        # bucket is reduced, while later buckets are still in flight (torch's finalize_backward
+        # order); with unused ones, which to skip is known only once every bucket is in.
+        stream = not state.unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
+        for b, fut in enumerate(self._futures):
+            value = fut.wait()
+            if isinstance(value, (list, tuple)):
+                value = value[0]
+            if isinstance(value, torch.Tensor) and value.data_ptr() != self._bufs[b].data_ptr():
+                self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
+            if stream:
+                self._write_back(b, frozenset())
+        globally_unused = set()
+        if state.unused and self._static_globally_unused is not None:
+            globally_unused = self._static_globally_unused
+        elif state.unused:
+            if self._used_work is not None:
+                self._used_work.wait()
+            globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
+            if self.static_graph:
+                self._static_globally_unused = globally_unused
+        # Nothing to do when streamed above, or for a ZeRO-2 hook (it keeps only its gradient
+        # slice: .grad stays None).
+        if stream or self._comm_hook_owns_grads:
+            pass
+        elif self.gradient_as_bucket_view:
+            for i, (p, view) in enumerate(zip(self._params, self._views)):
+                if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
+                    p.grad = view
+        else:
+            for b in range(len(self.bucket_plan.buckets)):
+                self._write_back(b, globally_unused)
+        if self._last_order is None:
+            self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
+                if self.static_graph else state.ready_order
+        self._futures = []
+        self._expect_hooks = False
+
+    def _write_back(self, b: int, skip: Set[int]) -> None:
+        """Reduced bucket ``b`` into its parameters' ``.grad`` (torch's copy_bucket_to_grad), in
+        one call: a kernel launch on CUDA (hybrid.kernels), a foreach copy on CPU."""
+        params, views, members = self._params, self._views, self.bucket_plan.buckets[b].members
+        grads = [params[m].grad for m in members]
+        if (self._kernel_copy and not skip.intersection(members)
+                and all(g is not None and g.is_contiguous() for g in grads)):
+            kernels.scatter(self.bucket_plan, b, self._bufs[b], [p.grad for p in params], backend="cuda")
+            return
+        dst, src = [], []
+        for m, g in zip(members, grads):
+            if m in skip:
+                continue
+            if g is None:
+                params[m].grad = views[m].clone()
+            else:
+                dst.append(g)
+                src.append(views[m])
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def _delay_all_reduce(self, state: ReducerState) -> ReducerState:
+        """static_graph, first iteration: unused = no hook fired; then every bucket, in order."""
+        unused = state.missing()
+        state, _ = mark_unused(state, unused)
+        self._static_unused = unused
+        self._pending_unused = unused
+        object.__setattr__(self, "_state", state)
+        for b in range(len(self._bufs)):
+            self._launch(b)
+        if unused:
+            used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
+            used[list(unused)] = 0
+            self._local_used = used
+            self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
+        return state

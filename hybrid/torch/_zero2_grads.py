@@ -1,0 +1,94 @@
+"""ZeRO-2's gradients after backward: clipping over the slices, and what ``param.grad`` holds.
+
+Once a bucket is reduce-scattered each rank keeps only its slice of the averaged gradient, so
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` has no full gradient to read. Instead
+of ``None`` (which torch's clip functions skip, returning ``tensor(0.)`` and clipping nothing),
+every ``param.grad`` holds a :class:`GradientInShards`: it has the parameter's shape, dtype and
+device, takes one element of memory, and any operation on it raises a ``TypeError`` that names
+the parameter and the ZeRO2 method to use. The clipping itself is exact on the slices: the
+padding of each slice is zero and adds nothing to a norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+_ADVICE = ("Its gradient was reduce-scattered by hybrid.torch.ZeRO2: each rank holds only its slice, inside "
+           "the optimizer. Clip with opt.clip_grad_norm_(max_norm, norm_type) or opt.clip_grad_value_(value) "
+           "instead of torch.nn.utils' clip functions; opt.clip_grad_norm_(float('inf')) returns the total "
+           "norm without clipping, for logging.")
+
+
+class GradientInShards(torch.Tensor):
+    """What ``param.grad`` holds between a ZeRO2 backward and the next forward (or ``zero_grad``).
+
+    Its shape, dtype and device are the parameter's; everything else raises a ``TypeError``.
+
+    >>> g = GradientInShards.of(torch.nn.Parameter(torch.ones(2, 3)), "fc.weight")
+    >>> g.shape, g.dtype
+    (torch.Size([2, 3]), torch.float32)
+    >>> g.norm()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: parameter 'fc.weight': norm is not available. Its gradient was reduce-scattered ...
+    """
+
+    param_name: str
+
+    @staticmethod
+    def of(param: torch.Tensor, name: str) -> "GradientInShards":
+        """A stand-in shaped like ``param`` (a zero scalar expanded: one element of memory)."""
+        scalar = torch.zeros((), dtype=param.dtype, device=param.device)
+        out = torch.Tensor._make_subclass(GradientInShards, scalar.expand(param.shape))
+        out.param_name = name
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "__get__":  # shape, dtype, device, is_sparse ...
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        stand_in = next(a for a in (*args, *(kwargs or {}).values(), *_flat(args)) if isinstance(a, cls))
+        raise TypeError(f"parameter {stand_in.param_name!r}: {getattr(func, '__name__', func)} is not "
+                        f"available. {_ADVICE}")
+
+    def __repr__(self) -> str:  # a debugger or print() must not raise
+        return f"GradientInShards({self.param_name!r}, shape={tuple(self.shape)})"
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+
+
+def clip_grad_norm_(slices: list[torch.Tensor], max_norm: float, norm_type: float, *, group,
+                    device: torch.device, error_if_nonfinite: bool) -> torch.Tensor:
+    """Clip every rank's gradient slices by the norm of the whole gradient; return that norm.
+
+    One all-reduce of the partial norms (sum of ``|g| ** p``, or the max for ``inf``), then each
+    slice is scaled by torch's ``clamp(max_norm / (total + 1e-6), max=1)``.
+    """
+    p = float(norm_type)
+    if not (p > 0 or p == math.inf):
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}")
+    norms = [torch.linalg.vector_norm(s, p) for s in slices]
+    if p == math.inf:
+        partial = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+        dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
+        total = partial
+    else:
+        partial = torch.stack(norms).pow(p).sum() if norms else torch.zeros((), device=device)
+        dist.all_reduce(partial, group=group)
+        total = partial.pow(1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is non-finite, so it "
+                           "cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if slices:
+        torch._foreach_mul_(slices, coef)
+    return total

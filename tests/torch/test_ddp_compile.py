@@ -1,0 +1,48 @@
+"""torch.compile(hybrid DDP): the same parameters as eager torch DDP, and no recompilation after
+warm-up (the reducer's per-iteration state used to be guarded on: a recompile every step)."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from hybrid.torch import DistributedDataParallel
+from tests.torch_zero._harness import free_port
+
+STEPS, WARM_UP = 9, 2
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"static_graph": True}, {"gradient_as_bucket_view": True}])
+def test_compiled_ddp_does_not_recompile(world_of_one, ddp_kwargs):
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
+    # backend="eager": dynamo's tracing and guards, which is what recompiles, without inductor's cost.
+    compiled = torch.compile(DistributedDataParallel(model, **ddp_kwargs), backend="eager")
+    ref = torch.nn.parallel.DistributedDataParallel(ref_model, **ddp_kwargs)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref_model))
+    counters.clear()
+    frames = []
+    for step in range(STEPS):
+        x = torch.randn(4, 8)
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+        frames.append(counters["frames"]["total"])
+    assert frames[WARM_UP:] == [frames[WARM_UP - 1]] * (STEPS - WARM_UP), f"frames compiled after each step: {frames}"
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        # float32, the same math on one rank: torch's default float32 tolerances.
+        torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-6, msg=name)
