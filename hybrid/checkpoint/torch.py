@@ -1,0 +1,371 @@
+"""Sharded checkpoints from and into torch: a DDP model with ZeroRedundancyOptimizer, ZeRO2 or a
+plain ``torch.optim`` optimizer, and torch's own ``state_dict()`` formats.
+
+Every rank writes its own file (its flat slice of every bucket of the checkpoint plan) and rank 0
+writes the manifest last; loading reads the slices it needs at any saved world size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.core import TensorSpec, canonical_dtype, pack, plan_buckets, shard_flat
+from hybrid.checkpoint._files import Checkpoint, begin_save, commit_save, write_shard
+from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
+from hybrid.checkpoint._write import _stored_plan, dtypes_of, rank_tensors, save_arrays, to_storage
+
+# torch's state keys -> the checkpoint's framework-neutral slot names (optax's field names).
+SLOT_OF_TORCH_KEY = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
+TORCH_KEY_OF_SLOT = {v: k for k, v in SLOT_OF_TORCH_KEY.items()}
+_NAME_OF_CLASS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd"}
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    # hybrid's and torch's DDP both keep the user's model in .module; names are the model's own.
+    return module.module if hasattr(module, "module") and hasattr(module, "process_group") else module
+
+
+def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a checkpoint holds, in DDP's registration order, named as in the bare model."""
+    from hybrid.torch._ddp_parts import _reduced_parameters
+    return _reduced_parameters(_unwrap(module))
+
+
+def _specs(named) -> list[TensorSpec]:
+    # Devices are left out: a checkpoint is the same whichever GPU each rank saved it from.
+    return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype)) for n, p in named]
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if like.dtype == torch.bfloat16:
+        t = t.view(torch.int16).view(torch.bfloat16)
+    return t.to(device=like.device, dtype=like.dtype).reshape(like.shape)
+
+
+# -- which optimizer holds which state --------------------------------------------------------------
+
+def _inner(optimizer):
+    """The torch.optim optimizer that really steps (ZeRO's local one, or the optimizer itself)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _is_zero2(optimizer) -> bool:
+    from hybrid.torch import ZeRO2
+    return isinstance(optimizer, ZeRO2)
+
+
+def _is_zero1(optimizer) -> bool:
+    from hybrid.torch import ZeroRedundancyOptimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    return isinstance(optimizer, (ZeroRedundancyOptimizer, TorchZero))
+
+
+def _params_in_state_order(optimizer) -> list[torch.Tensor]:
+    """The parameter behind each index of ``optimizer.state_dict()`` (torch's numbering)."""
+    if _is_zero2(optimizer):
+        return [optimizer._params[i] for i in optimizer._torch_order]
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _group_sizes(optimizer) -> list[int]:
+    if _is_zero2(optimizer):
+        return [optimizer._group_of.count(g) for g in range(len(optimizer.param_groups))]
+    return [len(g["params"]) for g in optimizer.param_groups]
+
+
+def _local_states(optimizer) -> tuple[dict[int, dict[str, Any]], bool]:
+    """``({id(param): torch state}, complete)``: what this rank holds, and whether it is all of it."""
+    if _is_zero2(optimizer):  # a collective: every rank gets every parameter's whole state
+        params = _params_in_state_order(optimizer)
+        return {id(params[i]): st for i, st in optimizer.state_dict()["state"].items()}, True
+    if _is_zero1(optimizer):
+        if getattr(optimizer, "_overlap_with_ddp", False):
+            params = optimizer._params
+            return {id(params[i]): st for i, st in optimizer._overlap_local_state()["state"].items()}, False
+        return {id(p): st for p, st in optimizer.optim.state.items()}, optimizer.world_size == 1
+    return {id(p): st for p, st in optimizer.state.items()}, True
+
+
+def expected_slots(optimizer) -> tuple[str, ...]:
+    """The slots ``optimizer`` keeps once it has stepped (known before it has)."""
+    inner = _inner(optimizer)
+    name = type(inner).__name__
+    group = inner.param_groups[0] if inner.param_groups else inner.defaults
+    if name in ("Adam", "AdamW"):
+        if group.get("amsgrad"):
+            raise CheckpointError(f"{name}(amsgrad=True) keeps max_exp_avg_sq, which checkpoints do not hold yet")
+        return ("mu", "nu")
+    if name == "SGD":
+        return ("trace",) if group.get("momentum", 0) else ()
+    raise CheckpointError(f"checkpoints hold Adam, AdamW and SGD state; {name} is not supported yet")
+
+
+def _hyperparameters(optimizer) -> dict[str, Any]:
+    def jsonable(v):
+        return isinstance(v, (int, float, bool, str)) or v is None or (
+            isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v))
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and jsonable(v)}
+              for g in optimizer.param_groups]
+    return {"param_groups": groups}
+
+
+def _slots_and_count(named, states: dict[int, dict[str, Any]]) -> tuple[dict[str, dict[str, np.ndarray]], int | None]:
+    """This rank's slot arrays by name and the step count its states agree on (None: no state)."""
+    slots: dict[str, dict[str, np.ndarray]] = {}
+    counts: dict[str, int] = {}
+    for name, p in named:
+        st = states.get(id(p))
+        if not st:
+            continue
+        for key, value in st.items():
+            if key == "step":
+                counts[name] = int(value.item() if torch.is_tensor(value) else value)
+            elif torch.is_tensor(value) and value.shape == p.shape:
+                slots.setdefault(SLOT_OF_TORCH_KEY.get(key, key), {})[name] = _numpy(value)
+    if len(set(counts.values())) > 1:
+        raise CheckpointError(f"parameters have taken different numbers of optimizer steps {counts}; a "
+                              f"checkpoint holds one count (optax's), so all must have stepped alike")
+    return slots, (next(iter(counts.values())) if counts else None)
+
+
+# -- save -------------------------------------------------------------------------------------------
+
+def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: int, process_group=None,
+         world_size: int | None = None, metadata: dict | None = None) -> Manifest | None:
+    """Save ``module``'s parameters and ``optimizer``'s state as a sharded checkpoint.
+
+    Under ``torch.distributed`` this is a collective: call it on every rank of ``process_group``;
+    each rank writes its own file, rank 0 the manifest, and all return once it is in place (rank
+    0 gets the :class:`~hybrid.checkpoint.Manifest`, the others ``None``). Without a process
+    group it writes ``world_size`` files (default 1) from this process: a checkpoint made from a
+    plain model and ``torch.optim`` optimizer, loadable at any world size.
+
+    Args:
+      path: the checkpoint directory; an existing one is replaced only once the save is complete.
+      module: the model, bare or wrapped in (hybrid's or torch's) DistributedDataParallel.
+      optimizer: a ``hybrid.torch.ZeroRedundancyOptimizer`` (also with overlap hooks), ``ZeRO2``,
+        torch's ``ZeroRedundancyOptimizer`` or a plain Adam / AdamW / SGD; None saves parameters.
+      step: the training step to record (returned by :func:`load`).
+      process_group: the group that shards the state (default: the world, if initialised).
+      world_size: only without a process group: how many rank files to write.
+      metadata: JSON-able extras recorded in the manifest.
+
+    >>> import torch, tempfile, os
+    >>> model = torch.nn.Linear(3, 2)
+    >>> opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save(d, model, opt, step=1, world_size=2).optimizer.slots
+    ('mu', 'nu')
+    """
+    named = named_parameters(module)
+    specs = _specs(named)
+    plan = plan_buckets(specs)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and world_size is not None and world_size != dist.get_world_size(process_group):
+        raise ValueError(f"save: world_size={world_size} given, but the process group has "
+                         f"{dist.get_world_size(process_group)} ranks; each rank writes its own file")
+    states, complete = _local_states(optimizer) if optimizer is not None else ({}, True)
+    slots, count = _slots_and_count(named, states)
+    if count is None and slots:
+        # SGD counts no steps (nor does optax's trace); its buffers exist once it has stepped.
+        count = int(step)
+    info = None
+    if optimizer is not None:
+        info = OptimizerInfo(_NAME_OF_CLASS.get(type(_inner(optimizer)).__name__, type(_inner(optimizer)).__name__),
+                             expected_slots(optimizer), 0, _hyperparameters(optimizer))
+    stage = 2 if _is_zero2(optimizer) else 1 if _is_zero1(optimizer) else 0
+    params = {n: _numpy(p) for n, p in named}
+    if not distributed:
+        return _save_whole(path, params, slots, count, info, plan, world_size or 1, step, stage, metadata)
+    return _save_distributed(path, named, params, slots, count, info, complete, plan, step, stage,
+                             process_group, metadata)
+
+
+def _fill_slots(named, slots, info) -> dict[str, dict[str, np.ndarray]]:
+    """Every expected slot for every parameter: zeros where no state exists yet (a fresh optimizer)."""
+    if info is None:
+        return {}
+    unknown = sorted(set(slots) - set(info.slots))
+    if unknown:
+        raise CheckpointError(f"the optimizer holds state {unknown} beyond its known slots {list(info.slots)}")
+    return {s: {n: slots.get(s, {}).get(n, np.zeros_like(_numpy(p))) for n, p in named}
+            for s in info.slots}
+
+
+def _save_whole(path, params, slots, count, info, plan, world_size, step, stage, metadata):
+    named = [(n, torch.from_numpy(a) if a.dtype != np.uint16 else torch.from_numpy(a.view(np.int16)).view(torch.bfloat16))
+             for n, a in params.items()]
+    full = _fill_slots(named, slots, info)
+    if info is not None:
+        info = OptimizerInfo(info.name, info.slots, count or 0, info.hyperparameters)
+    return save_arrays(path, params, world_size=world_size, step=step, slots=full, optimizer=info, plan=plan,
+                       stage=stage, framework="torch", metadata=metadata)
+
+
+def _save_distributed(path, named, params, slots, count, info, complete, plan, step, stage, group, metadata):
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    # One object collective settles what every rank must agree on before any data moves.
+    mine = (count, sorted(slots))
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    counts = {c for c, _ in everyone if c is not None}
+    if len(counts) > 1:
+        raise CheckpointError(f"ranks hold optimizer states of different step counts {sorted(counts)}")
+    if info is not None:
+        info = OptimizerInfo(info.name, info.slots, counts.pop() if counts else 0, info.hyperparameters)
+    shards = shard_flat(plan, world_size)
+    stored = _stored_plan(plan)
+    names = [s.name for s in plan.specs]
+
+    def flats(arrays):
+        ordered = [arrays[n] for n in names]
+        return [pack(stored, b, ordered, length=shards.padded_length(b)) for b in range(plan.num_buckets)]
+
+    all_flats = {"params": flats(params)}
+    for slot, arrays in _fill_slots(named, slots, info).items():
+        per_bucket = flats(arrays)
+        if not complete:
+            # Each rank holds whole tensors of its own share (zeros elsewhere): the sum is the whole
+            # state, exactly (x + 0 == x), and every rank keeps its slice of it.
+            for b, flat in enumerate(per_bucket):
+                t = torch.from_numpy(flat.view(np.int16) if flat.dtype == np.uint16 else flat)
+                if flat.dtype == np.uint16:
+                    t = t.view(torch.bfloat16)
+                dist.all_reduce(t, group=group)
+        all_flats[slot] = per_bucket
+    if rank == 0:
+        begin_save(path)
+    dist.barrier(group=group)
+    entry = write_shard(path, rank, world_size, rank_tensors(plan, world_size, rank, all_flats))
+    entries: list = [None] * world_size
+    dist.all_gather_object(entries, entry, group=group)
+    manifest = None
+    if rank == 0:
+        manifest = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, all_flats),
+                            tuple(entries), dict(metadata or {}))
+        commit_save(path, manifest)
+    dist.barrier(group=group)  # nobody returns (and perhaps loads) before the manifest is in place
+    return manifest
+
+
+# -- load -------------------------------------------------------------------------------------------
+
+def state_dicts(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint as torch's two dicts: ``model.state_dict()``'s parameters by name, and the
+    optimizer state dict of a plain optimizer over ``model.parameters()`` (the format
+    ``ZeroRedundancyOptimizer.consolidate_state_dict`` + ``state_dict()`` gives).
+
+    >>> import torch, tempfile, os
+    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt"); _ = save(d, model, opt, step=1)
+    >>> model_sd, opt_sd = state_dicts(d)
+    >>> sorted(model_sd), sorted(opt_sd["state"][0])
+    (['bias', 'weight'], ['momentum_buffer'])
+    """
+    ckpt = Checkpoint(path)
+    ckpt.verify()
+    specs = ckpt.manifest.plan.specs
+    likes = [torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in specs]
+    params = ckpt.tensors("params")
+    model = {s.name: _torch(params[s.name], like) for s, like in zip(specs, likes)}
+    info = ckpt.manifest.optimizer
+    if info is None:
+        return model, {"state": {}, "param_groups": []}
+    state = _torch_state(ckpt, info, likes)
+    groups = info.hyperparameters.get("param_groups") or [{}]
+    if len(groups) != 1:
+        raise CheckpointError(f"{ckpt.path}: saved with {len(groups)} parameter groups; state_dicts() gives one "
+                              "group over all parameters, load with load() into your optimizer instead")
+    return model, {"state": state, "param_groups": [{**groups[0], "params": list(range(len(specs)))}]}
+
+
+def _torch_state(ckpt: Checkpoint, info: OptimizerInfo, likes: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """Torch's per-parameter state (checkpoint order) from the slots; empty before the first step."""
+    if info.count == 0:
+        return {}
+    slots = {s: ckpt.tensors(s) for s in info.slots}
+    state = {}
+    for i, (spec, like) in enumerate(zip(ckpt.manifest.plan.specs, likes)):
+        st: dict[str, Any] = {"step": torch.tensor(float(info.count))} if info.name != "sgd" else {}
+        for slot in info.slots:
+            st[TORCH_KEY_OF_SLOT.get(slot, slot)] = _torch(slots[slot][spec.name], like)
+        state[i] = st
+    return state
+
+
+def load(path: str | os.PathLike, module: nn.Module, optimizer=None) -> int:
+    """Load a checkpoint (saved by either frontend, at any world size) into ``module`` and
+    ``optimizer``; returns the saved step.
+
+    Every file is checked (size, SHA-256, contents) and every tensor matched to the model by name,
+    shape and dtype before anything changes: a bad checkpoint raises
+    :class:`~hybrid.checkpoint.CheckpointError` naming the file and leaves parameters and optimizer
+    state as they were. Call it on every rank (it reads files, it does not communicate). The
+    optimizer's hyperparameters (learning rate, ...) stay those it was built with.
+
+    >>> import torch, tempfile, os
+    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt"); _ = save(d, model, opt, step=5, world_size=3)
+    >>> other = torch.nn.Linear(3, 2); load(d, other, torch.optim.Adam(other.parameters(), lr=0.1))
+    5
+    >>> torch.equal(other.weight, model.weight)
+    True
+    """
+    ckpt = Checkpoint(path)
+    named = named_parameters(module)
+    ckpt.check_model(_specs(named), what=type(_unwrap(module)).__name__)
+    ckpt.verify()
+    params = ckpt.tensors("params")
+    new_params = [_torch(params[n], p) for n, p in named]
+    optimizer_state = None
+    if optimizer is not None:
+        optimizer_state = _optimizer_state_dict(ckpt, named, optimizer)
+    # Nothing has changed so far; from here on the inputs are all checked.
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    with torch.no_grad():
+        for (_, p), value in zip(named, new_params):
+            p.copy_(value)
+    return ckpt.manifest.step
+
+
+def _optimizer_state_dict(ckpt: Checkpoint, named, optimizer) -> dict[str, Any]:
+    info = ckpt.manifest.optimizer
+    if info is None:
+        raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")
+    want = expected_slots(optimizer)
+    if set(info.slots) != set(want):
+        raise CheckpointError(f"{ckpt.path}: holds {info.name} state {list(info.slots)}, but "
+                              f"{type(_inner(optimizer)).__name__} keeps {list(want)}")
+    position = {n: i for i, n in enumerate(s.name for s in ckpt.manifest.plan.specs)}
+    name_of = {id(p): n for n, p in named}
+    order = _params_in_state_order(optimizer)
+    unknown = [i for i, p in enumerate(order) if id(p) not in name_of]
+    if unknown:
+        raise CheckpointError(f"the optimizer steps {len(unknown)} tensors that are not parameters of the model")
+    like_of = dict(named)
+    saved = _torch_state(ckpt, info, [like_of[s.name] for s in ckpt.manifest.plan.specs])
+    state = {}
+    for i, p in enumerate(order):
+        st = saved.get(position[name_of[id(p)]])
+        if st is not None:
+            state[i] = st
+    groups, start = [], 0
+    for group, size in zip(optimizer.param_groups, _group_sizes(optimizer)):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + size))})
+        start += size
+    return {"state": state, "param_groups": groups}
