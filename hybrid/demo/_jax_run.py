@@ -153,11 +153,37 @@ def train_jax_steps(run: JaxTraining, config: TrainConfig, start_step: int, stop
     return run._replace(params=params, state=state), np.asarray(losses)
 
 
+def checkpoint_layout(config: TrainConfig) -> dict:
+    """The ``order`` and bucket caps :func:`make_optimizer` gives ``zero``: what
+    ``hybrid.checkpoint.jax.save`` / ``load`` need to find the layout of its state."""
+    return dict(order=param_order(config.sizes), bucket_cap_bytes=config.bucket_cap_bytes,
+                first_bucket_cap_bytes=config.bucket_cap_bytes)
+
+
+def save_checkpoint(path: str, run: JaxTraining, config: TrainConfig, step: int):
+    """Save ``run``'s params and zero state (every device's slices, one file each) at ``step``."""
+    from hybrid.checkpoint import jax as checkpoint
+    hyper = dict(lr=config.lr, betas=list(config.betas), eps=config.eps, weight_decay=config.weight_decay)
+    return checkpoint.save(path, run.params, run.state, step=step, stage=config.stage, optimizer=config.optimizer,
+                           hyperparameters=hyper, metadata={"config": config.to_json()}, **checkpoint_layout(config))
+
+
+def load_checkpoint(path: str, run: JaxTraining, config: TrainConfig) -> tuple[JaxTraining, int]:
+    """``run`` with params and state loaded from a checkpoint (either frontend, any world size)."""
+    from hybrid.checkpoint import jax as checkpoint
+    params, state, step = checkpoint.load(path, run.params, run.state, **checkpoint_layout(config))
+    return run._replace(params=params, state=state), step
+
+
 def train_jax(config: TrainConfig, *, num_devices: int = 2, mesh: Mesh | None = None,
               params: dict[str, np.ndarray] | None = None, start_step: int = 0,
-              progress: Progress | None = None) -> TrainResult:
+              progress: Progress | None = None, resume: str | None = None, save_to: str | None = None,
+              save_at: int | None = None) -> TrainResult:
     """Train ``config`` from ``start_step`` to ``config.num_steps`` with ``hybrid.jax.zero`` over
     ``mesh`` (default: :func:`host_mesh` of ``num_devices``); device ``r`` gets rank ``r``'s rows.
+
+    ``resume`` loads a checkpoint (saved by either frontend at any world size) and starts from its
+    step; ``save_to`` saves one after step ``save_at`` (default the last) and training goes on.
 
     >>> from hybrid.demo import TrainConfig
     >>> r = train_jax(TrainConfig(num_steps=20, stage=2), num_devices=2)
@@ -165,7 +191,15 @@ def train_jax(config: TrainConfig, *, num_devices: int = 2, mesh: Mesh | None = 
     (20, True)
     """
     run = build_jax(config, host_mesh(num_devices) if mesh is None else mesh, params)
+    if resume is not None:
+        run, start_step = load_checkpoint(resume, run, config)
+    save_at = config.num_steps if save_at is None else save_at
     t0 = time.perf_counter()
-    run, losses = train_jax_steps(run, config, start_step, config.num_steps, progress=progress)
+    losses = []
+    for lo, hi in ((start_step, save_at), (save_at, config.num_steps)) if save_to else ((start_step, config.num_steps),):
+        run, part = train_jax_steps(run, config, lo, hi, progress=progress)
+        losses.append(part)
+        if save_to and hi == save_at:
+            save_checkpoint(save_to, run, config, save_at)
     seconds = time.perf_counter() - t0
-    return TrainResult(losses, numpy_params(run.params), plan_fingerprint(config), seconds, start_step)
+    return TrainResult(np.concatenate(losses), numpy_params(run.params), plan_fingerprint(config), seconds, start_step)

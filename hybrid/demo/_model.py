@@ -70,6 +70,11 @@ class TrainConfig:
                              f"and bucket_cap_bytes={self.bucket_cap_bytes!r} must be non-negative "
                              f"(the batch positive)")
 
+    def to_json(self) -> dict:
+        """The config as JSON-able values (recorded in a checkpoint's manifest)."""
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:

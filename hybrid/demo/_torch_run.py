@@ -118,9 +118,14 @@ def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step:
 
 
 def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = None, start_step: int = 0,
-                progress: Progress | None = None) -> TrainResult:
+                progress: Progress | None = None, resume: str | None = None, save_to: str | None = None,
+                save_at: int | None = None) -> TrainResult:
     """Train ``config`` from ``start_step`` to ``config.num_steps`` in the current process group
     (``torch.distributed`` initialised, one call per rank); every rank returns the same result.
+
+    ``resume`` loads a checkpoint (:mod:`hybrid.checkpoint.torch`, saved by either frontend at
+    any world size) and starts from its step; ``save_to`` saves one after step ``save_at``
+    (default the last) and training goes on.
 
     >>> import torch.distributed as dist
     >>> from hybrid.demo import TrainConfig
@@ -130,12 +135,21 @@ def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = N
     (20, True)
     >>> dist.destroy_process_group()
     """
+    from hybrid.checkpoint import torch as checkpoint
+
     ddp, opt = build_torch(config, params)
+    if resume is not None:
+        start_step = checkpoint.load(resume, ddp, opt)
+    save_at = config.num_steps if save_at is None else save_at
     t0 = time.perf_counter()
-    losses = train_torch_steps(ddp, opt, config, start_step, config.num_steps, progress=progress)
+    losses = []
+    for lo, hi in ((start_step, save_at), (save_at, config.num_steps)) if save_to else ((start_step, config.num_steps),):
+        losses.append(train_torch_steps(ddp, opt, config, lo, hi, progress=progress))
+        if save_to and hi == save_at:
+            checkpoint.save(save_to, ddp, opt, step=save_at, metadata={"config": config.to_json()})
     seconds = time.perf_counter() - t0
     final = {n: p.detach().numpy().copy() for n, p in ddp.module.named_parameters()}
-    return TrainResult(losses, final, ddp.bucket_plan.fingerprint(), seconds, start_step)
+    return TrainResult(np.concatenate(losses), final, ddp.bucket_plan.fingerprint(), seconds, start_step)
 
 
 # ---- a gloo world on this machine -------------------------------------------------------------
@@ -226,7 +240,8 @@ def spawn_world(fn, *args, world_size: int = 2, progress: Callable | None = None
 
 
 def launch_torch(config: TrainConfig, *, world_size: int = 2, params: dict[str, np.ndarray] | None = None,
-                 start_step: int = 0, progress: Progress | None = None, timeout_s: float = 600) -> TrainResult:
+                 start_step: int = 0, progress: Progress | None = None, timeout_s: float = 600,
+                 resume: str | None = None, save_to: str | None = None, save_at: int | None = None) -> TrainResult:
     """:func:`train_torch` on a spawned gloo world of ``world_size`` ranks (:func:`spawn_world`);
     rank 0's result. ``progress(step, loss)`` runs here as rank 0 reports each step.
 
@@ -235,4 +250,4 @@ def launch_torch(config: TrainConfig, *, world_size: int = 2, params: dict[str, 
     (3,)
     """
     return spawn_world(train_torch, config, world_size=world_size, progress=progress, timeout_s=timeout_s,
-                       params=params, start_step=start_step)
+                       params=params, start_step=start_step, resume=resume, save_to=save_to, save_at=save_at)

@@ -1,0 +1,215 @@
+"""Sharded checkpoints from and into JAX: params and the optax state of ``hybrid.jax.zero`` (the
+padded flat buckets, sharded over the mesh) or of a plain, unsharded optax transform.
+
+The optimizer state is found by type: ``optax.ScaleByAdamState`` (slots ``mu``, ``nu`` and its
+``count``; adam, adamw, ...) and ``optax.TraceState`` (slot ``trace``: sgd with momentum), inside
+a :class:`hybrid.jax.ZeroState` or not. Any ``optax.ScaleByScheduleState`` count is restored too.
+One process holds every device's shard (a single-controller mesh).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, pack, shard_flat
+from hybrid.jax import ZeroState
+from hybrid.jax._specs import _Layout
+from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
+from hybrid.checkpoint._write import _stored_plan, save_arrays, save_flats, to_storage
+
+_SLOTS = {optax.ScaleByAdamState: ("mu", "nu"), optax.TraceState: ("trace",)}
+_NODES = (ZeroState, optax.ScaleByScheduleState, *_SLOTS)
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, _NODES)
+
+
+def _nodes(state) -> list:
+    return [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_node) if _is_node(x)]
+
+
+def _map_nodes(state, fn):
+    return jax.tree_util.tree_map(lambda x: fn(x) if _is_node(x) else x, state, is_leaf=_is_node)
+
+
+def _slot_node(state) -> tuple[Any, ZeroState | None]:
+    """The one optimizer node holding slots, and the ZeroState around it (None: unsharded)."""
+    found = []
+    for node in _nodes(state):
+        if isinstance(node, ZeroState):
+            found += [(inner, node) for inner in _nodes(node.inner) if type(inner) in _SLOTS]
+        elif type(node) in _SLOTS:
+            found.append((node, None))
+    if len(found) != 1:
+        kinds = [type(n).__name__ for n, _ in found]
+        raise CheckpointError(f"the optax state must hold exactly one ScaleByAdamState or TraceState, found {kinds}")
+    return found[0]
+
+
+def _host(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise NotImplementedError("checkpoints of a mesh spanning several processes are not supported yet: "
+                                  "every shard must be addressable from the saving process")
+    return np.asarray(x)
+
+
+def _world_of(array) -> int:
+    sharding = getattr(array, "sharding", None)
+    if sharding is None:
+        raise CheckpointError("a ZeroState must be passed as the global arrays shard_map/jit returned "
+                              "(sharded over the mesh), not as host arrays")
+    return len(sharding.device_set)
+
+
+def _layout(params, order, caps) -> _Layout:
+    return _Layout.of(params, what="checkpoint", order=order, **caps)
+
+
+def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
+    if shard_flat(layout.plan, world_size).fingerprint() != zero.plan_fingerprint:
+        raise CheckpointError("the ZeroState was planned with other bucket caps or leaf order than given here: "
+                              "pass the order= and bucket caps you gave hybrid.jax.zero")
+
+
+def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=None, world_size: int | None = None,
+         stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
+         metadata: dict | None = None) -> Manifest:
+    """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
+
+    With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
+    device ``r``'s slices become rank ``r``'s file, in the zero plan's layout: no gathering of
+    state. With a plain optax state (unsharded, e.g. ``optax.adam(...).init(params)``) the
+    arrays are cut into ``world_size`` files (default 1).
+
+    Args:
+      path: the checkpoint directory; an existing one is replaced only once the save is complete.
+      params: the parameter pytree (replicated global arrays or host arrays).
+      opt_state: the optax state, or None for parameters alone.
+      step: the training step to record.
+      order, bucket_cap_bytes, first_bucket_cap_bytes: what ``hybrid.jax.zero`` was given.
+      world_size: files to write for an unsharded state (a zero state has its own).
+      stage, optimizer, hyperparameters, metadata: recorded in the manifest (``optimizer``
+        defaults to "adam" for a ScaleByAdamState, "sgd" for a TraceState).
+
+    >>> import jax.numpy as jnp, optax, tempfile, os
+    >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    >>> state = optax.adam(1e-3).init(params)
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save(d, params, state, step=0, world_size=2).optimizer.slots
+    ('mu', 'nu')
+    """
+    caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    layout = _layout(params, order, caps)
+    names = [s.name for s in layout.plan.specs]
+    host_params = [_host(p) for p in layout.spec_arrays(params)]
+    if opt_state is None:
+        return save_arrays(path, dict(zip(names, host_params)), world_size=world_size or 1, step=step,
+                           plan=layout.plan, stage=stage, framework="jax", metadata=metadata)
+    node, zero = _slot_node(opt_state)
+    slots = _SLOTS[type(node)]
+    count = int(_host(node.count)) if hasattr(node, "count") else int(step)
+    info = OptimizerInfo(optimizer or ("adam" if "nu" in slots else "sgd"), slots, count, dict(hyperparameters or {}))
+    if zero is None:
+        values = {s: dict(zip(names, (_host(a) for a in layout.spec_arrays(getattr(node, s))))) for s in slots}
+        return save_arrays(path, dict(zip(names, host_params)), world_size=world_size or 1, step=step, slots=values,
+                           optimizer=info, plan=layout.plan, stage=stage, framework="jax", metadata=metadata)
+    n = _world_of(getattr(node, slots[0])[0])
+    if world_size not in (None, n):
+        raise ValueError(f"save: world_size={world_size}, but the zero state is sharded over {n} devices")
+    _check_zero(zero, layout, n)
+    shards = shard_flat(layout.plan, n)
+    stored = [to_storage(a) for a in host_params]
+    flats = {"params": [pack(_stored_plan(layout.plan), b, stored, length=shards.padded_length(b))
+                        for b in range(layout.plan.num_buckets)]}
+    for s in slots:
+        flats[s] = [to_storage(_host(a)) for a in getattr(node, s)]
+    return save_flats(path, plan=layout.plan, world_size=n, flats=flats, framework="jax", step=step,
+                      stage=stage, optimizer=info, metadata=metadata)
+
+
+def _like(value: np.ndarray, old):
+    """``value`` (stored dtype) as an array of ``old``'s dtype, placed as ``old`` is."""
+    value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
+    value = value.astype(old.dtype, copy=False).reshape(old.shape)
+    if isinstance(old, jax.Array):
+        return jax.device_put(value, old.sharding)
+    return jnp.asarray(value)
+
+
+def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES):
+    """Load a checkpoint (from either frontend, any world size) into the layout of ``params`` and
+    ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
+
+    ``params`` and ``opt_state`` give the structure, shardings and (for a zero state) the world
+    size to load into: pass what ``init`` made. Every file is verified and every tensor matched by
+    name, shape and dtype before anything is built; a bad checkpoint raises
+    :class:`~hybrid.checkpoint.CheckpointError` naming the file. With ``opt_state=None`` only the
+    parameters are loaded.
+
+    >>> import jax.numpy as jnp, optax, tempfile, os
+    >>> params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt"); _ = save(d, params, step=3, world_size=2)
+    >>> loaded, _, step = load(d, {"w": jnp.zeros((2, 3))})
+    >>> step, loaded["w"].tolist()
+    (3, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    """
+    caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    layout = _layout(params, order, caps)
+    ckpt = Checkpoint(path)
+    ckpt.check_model(layout.plan.specs, what="params")
+    ckpt.verify()
+    whole = ckpt.tensors("params")
+    old_leaves = layout.spec_arrays(params)
+    new_params = layout.unflatten({i: _like(whole[s.name], old)
+                                   for i, (s, old) in enumerate(zip(layout.plan.specs, old_leaves))})
+    if opt_state is None:
+        return new_params, None, ckpt.manifest.step
+    return new_params, _load_state(ckpt, layout, opt_state), ckpt.manifest.step
+
+
+def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
+    info = ckpt.manifest.optimizer
+    if info is None:
+        raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")
+    node, zero = _slot_node(opt_state)
+    slots = _SLOTS[type(node)]
+    if set(info.slots) != set(slots):
+        raise CheckpointError(f"{ckpt.path}: holds {info.name} state {list(info.slots)}, but the optax state "
+                              f"({type(node).__name__}) keeps {list(slots)}")
+    values: dict[str, Any] = {}
+    if zero is None:
+        for s in slots:
+            whole = ckpt.tensors(s)
+            old = layout.spec_arrays(getattr(node, s))
+            values[s] = layout.unflatten({i: _like(whole[spec.name], o)
+                                          for i, (spec, o) in enumerate(zip(layout.plan.specs, old))})
+    else:
+        n = _world_of(getattr(node, slots[0])[0])
+        _check_zero(zero, layout, n)
+        plan = ckpt.reshard_to(shard_flat(layout.plan, n))
+        for s in slots:
+            per_rank = [ckpt.slices(s, plan, r) for r in range(n)]
+            values[s] = tuple(_like(np.concatenate([per_rank[r][b] for r in range(n)]), old)
+                              for b, old in enumerate(getattr(node, s)))
+
+    def replace(x):
+        if x is node:
+            fields = {**values, **({"count": _like(np.asarray(info.count), x.count)} if hasattr(x, "count") else {})}
+            return x._replace(**fields)
+        if isinstance(x, optax.ScaleByScheduleState):
+            return x._replace(count=_like(np.asarray(info.count), x.count))
+        if isinstance(x, ZeroState):
+            return ZeroState(_map_nodes(x.inner, replace), x.plan_fingerprint)
+        return x
+
+    return _map_nodes(opt_state, replace)
