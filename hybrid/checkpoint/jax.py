@@ -140,9 +140,9 @@ def _like(value: np.ndarray, old):
     """``value`` (stored dtype) as an array of ``old``'s dtype, placed as ``old`` is."""
     value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
     value = value.astype(old.dtype, copy=False).reshape(old.shape)
-    if isinstance(old, jax.Array):
+    if isinstance(old, jax.Array) and old.committed:
         return jax.device_put(value, old.sharding)
-    return jnp.asarray(value)
+    return jnp.asarray(value)  # uncommitted, as the given array was: jit places it
 
 
 def load(path: str | os.PathLike, params, opt_state=None, *, order=None,

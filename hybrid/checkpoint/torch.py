@@ -261,6 +261,53 @@ def _save_distributed(path, named, params, slots, count, info, complete, plan, s
     return manifest
 
 
+def save_state_dicts(path: str | os.PathLike, model_state_dict: dict[str, torch.Tensor],
+                     optimizer_state_dict: dict[str, Any] | None = None, *, step: int = 0, world_size: int = 1,
+                     param_names: list[str] | None = None, optimizer: str | None = None,
+                     metadata: dict | None = None) -> Manifest:
+    """A sharded checkpoint from torch's dicts: ``model.state_dict()`` and a plain optimizer's
+    ``state_dict()`` (or what ``ZeroRedundancyOptimizer.consolidate_state_dict`` +
+    ``state_dict()`` gives), state index ``i`` being parameter ``param_names[i]``.
+
+    Args:
+      param_names: the parameters in the optimizer's order (default: every entry of
+        ``model_state_dict``, which is right for models without buffers).
+      optimizer: "adam", "adamw" or "sgd" (default: "adam" if the state has ``exp_avg``).
+
+    >>> import torch, tempfile, os
+    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.Adam(model.parameters())
+    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save_state_dicts(d, model.state_dict(), opt.state_dict(), step=1, world_size=2).optimizer.count
+    1
+    """
+    names = list(model_state_dict) if param_names is None else list(param_names)
+    missing = [n for n in names if n not in model_state_dict]
+    if missing:
+        raise ValueError(f"save_state_dicts: param_names {missing} are not in the model state dict")
+    params = {n: _numpy(model_state_dict[n]) for n in names}
+    info, slots = None, {}
+    if optimizer_state_dict is not None:
+        state = optimizer_state_dict["state"]
+        counted = [i for i in range(len(names)) if state.get(i)]
+        if counted and len(counted) != len(names):
+            raise ValueError(f"save_state_dicts: parameters {[names[i] for i in range(len(names)) if i not in counted]} "
+                             f"have no optimizer state while others do")
+        named = [(n, model_state_dict[n]) for n in names]
+        states = {id(model_state_dict[n]): state[i] for i, n in enumerate(names) if state.get(i)}
+        slots, count = _slots_and_count(named, states)
+        keys = {k for st in state.values() for k in st}
+        name = optimizer or ("adam" if "exp_avg" in keys else "sgd")
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in optimizer_state_dict.get("param_groups", [])]
+        info = OptimizerInfo(name, ("mu", "nu") if name in ("adam", "adamw") else tuple(sorted(slots)),
+                             count if count is not None else (int(step) if slots else 0), {"param_groups": groups})
+        slots = _fill_slots(named, slots, info)
+    specs = _specs([(n, model_state_dict[n]) for n in names])
+    return save_arrays(path, params, world_size=world_size, step=step, slots=slots, optimizer=info,
+                       plan=plan_buckets(specs), stage=0, framework="torch", metadata=metadata)
+
+
 # -- load -------------------------------------------------------------------------------------------
 
 def state_dicts(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
