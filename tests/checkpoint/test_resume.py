@@ -1,0 +1,111 @@
+"""A run moves between frameworks and world sizes through one checkpoint and trains on.
+
+The twin model of hybrid.demo: torch (DDP + ZeroRedundancyOptimizer / ZeRO2, gloo ranks) and
+JAX (hybrid.jax.zero over host devices). A load followed by a save gives back the checkpoint's
+tensors bitwise (resharding moves elements, it computes nothing). Training on after a resume
+follows the uninterrupted run within rtol 1e-6 inside one framework (another world size only
+changes the order of float32 additions in the gradient mean) and within the parity tolerance
+across frameworks (losses rtol 1e-5 / atol 1e-6, parameters rtol 1e-4 / atol 1e-5, as
+tests/parity: the frameworks' float32 kernels round differently).
+"""
+
+import numpy as np
+import pytest
+
+from hybrid.checkpoint import Checkpoint
+from hybrid.demo import TrainConfig, launch_torch, train_jax
+
+STEPS, SAVE = 12, 6
+# 48 rows split evenly over 1, 2 and 3 ranks or devices.
+CONFIG = dict(global_batch_size=48, num_steps=STEPS)
+SAME = dict(rtol=1e-6, atol=1e-7)
+PARITY_LOSS = dict(rtol=1e-5, atol=1e-6)
+PARITY_PARAMS = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    out = {"dir": d}
+    # torch, 2 ranks, ZeRO-1: saves at step 6 and trains on, uninterrupted, to 12.
+    out["torch2"] = launch_torch(TrainConfig(**CONFIG), world_size=2, save_to=str(d / "torch2"), save_at=SAVE)
+    # 2 -> 3: torch ZeRO2 on 3 ranks from the 2-rank checkpoint; saves again at step 9.
+    out["torch3"] = launch_torch(TrainConfig(**CONFIG, stage=2), world_size=3, resume=str(d / "torch2"),
+                                 save_to=str(d / "torch3"), save_at=9)
+    # 3 -> 1 within torch.
+    out["torch1"] = launch_torch(TrainConfig(**CONFIG), world_size=1, resume=str(d / "torch3"))
+    # torch -> JAX: 3 host devices, stage 2, from the 2-rank torch checkpoint; saves at step 9.
+    out["jax3"] = train_jax(TrainConfig(**CONFIG, stage=2), num_devices=3, resume=str(d / "torch2"),
+                            save_to=str(d / "jax3"), save_at=9)
+    # JAX -> torch: the 3-device JAX checkpoint on 2 torch ranks.
+    out["torch2_from_jax"] = launch_torch(TrainConfig(**CONFIG), world_size=2, resume=str(d / "jax3"))
+    # JAX 3 -> JAX 1.
+    out["jax1"] = train_jax(TrainConfig(**CONFIG), num_devices=1, resume=str(d / "jax3"))
+    # Load and save with no step in between, in both frameworks at other world sizes.
+    out["torch_copy"] = launch_torch(TrainConfig(global_batch_size=48, num_steps=SAVE, stage=2), world_size=3,
+                                     resume=str(d / "torch2"), save_to=str(d / "torch_copy"), save_at=SAVE)
+    train_jax(TrainConfig(global_batch_size=48, num_steps=SAVE), num_devices=4, resume=str(d / "torch2"),
+              save_to=str(d / "jax_copy"), save_at=SAVE)
+    return out
+
+
+def _close(a, b, tol):
+    np.testing.assert_allclose(a.losses, b, **tol)
+
+
+def _params_close(a, b, tol):
+    for k in a.params:
+        np.testing.assert_allclose(a.params[k], b.params[k], **tol, err_msg=k)
+
+
+@pytest.mark.parametrize("copy", ["torch_copy", "jax_copy"])
+def test_load_then_save_is_bitwise(runs, copy):
+    src, dst = Checkpoint(runs["dir"] / "torch2"), Checkpoint(runs["dir"] / copy)
+    assert dst.manifest.world_size == (3 if copy == "torch_copy" else 4) and dst.manifest.step == SAVE
+    assert dst.manifest.optimizer.count == src.manifest.optimizer.count == SAVE
+    for kind in ("params", "mu", "nu"):
+        a, b = src.tensors(kind), dst.tensors(kind)
+        assert list(a) == list(b)
+        for name in a:
+            assert np.array_equal(a[name], b[name]), (kind, name)
+
+
+def test_manifest_records_the_run(runs):
+    m = Checkpoint(runs["dir"] / "jax3").manifest
+    assert (m.framework, m.world_size, m.stage, m.step) == ("jax", 3, 2, 9)
+    assert m.optimizer.name == "adam" and m.optimizer.hyperparameters["lr"] == 1e-2
+    assert m.metadata["config"]["global_batch_size"] == 48
+    t = Checkpoint(runs["dir"] / "torch2").manifest
+    assert (t.framework, t.world_size, t.stage, t.step) == ("torch", 2, 1, SAVE)
+    assert t.optimizer.hyperparameters["param_groups"][0]["betas"] == [0.9, 0.999]
+
+
+def test_torch_2_to_3(runs):
+    _close(runs["torch3"], runs["torch2"].losses[SAVE:], SAME)
+    _params_close(runs["torch3"], runs["torch2"], SAME)
+
+
+def test_torch_3_to_1(runs):
+    _close(runs["torch1"], runs["torch3"].losses[9 - SAVE:], SAME)
+    _params_close(runs["torch1"], runs["torch3"], SAME)
+
+
+def test_torch_to_jax(runs):
+    _close(runs["jax3"], runs["torch2"].losses[SAVE:], PARITY_LOSS)
+    _params_close(runs["jax3"], runs["torch2"], PARITY_PARAMS)
+
+
+def test_jax_to_torch(runs):
+    _close(runs["torch2_from_jax"], runs["jax3"].losses[9 - SAVE:], PARITY_LOSS)
+    _params_close(runs["torch2_from_jax"], runs["jax3"], PARITY_PARAMS)
+
+
+def test_jax_3_to_1(runs):
+    _close(runs["jax1"], runs["jax3"].losses[9 - SAVE:], SAME)
+    _params_close(runs["jax1"], runs["jax3"], SAME)
+
+
+def test_resumed_runs_continue_the_curve(runs):
+    # Not a restart: the first resumed loss is the uninterrupted run's loss at that step.
+    assert runs["torch3"].start_step == SAVE and runs["jax1"].start_step == 9
+    assert runs["torch3"].losses[0] < runs["torch2"].losses[0] * 0.9
