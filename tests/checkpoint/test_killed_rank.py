@@ -1,0 +1,78 @@
+"""A rank killed in the middle of writing its file: the others raise within seconds (no hang) and
+the previous checkpoint stays intact and loadable."""
+
+import datetime
+import multiprocessing as mp
+import os
+import pathlib
+import queue
+import time
+
+import pytest
+
+from hybrid.checkpoint import Checkpoint
+from tests.torch_zero._harness import free_port
+
+TIMEOUT_S = 5
+
+
+def _worker(rank, port, path, out):
+    import torch
+    import torch.distributed as dist
+
+    import hybrid.checkpoint._files as files
+    from hybrid.checkpoint import torch as ckpt_torch
+    from hybrid.demo import TrainConfig, build_torch, train_torch_steps
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    config = TrainConfig(num_steps=4)
+    ddp, opt = build_torch(config)
+    train_torch_steps(ddp, opt, config, 0, 2)
+    ckpt_torch.save(path, ddp, opt, step=2)
+    train_torch_steps(ddp, opt, config, 2, 4)
+    if rank == 1:
+        real = files._write_atomically
+
+        def half_then_die(target, data):
+            with open(target.with_name(target.name + ".part"), "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+            os._exit(17)  # killed mid-write: no exception, no cleanup
+
+        files._write_atomically = half_then_die
+        del real
+    t0 = time.monotonic()
+    try:
+        ckpt_torch.save(path, ddp, opt, step=4)
+        out.put((rank, "returned", time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001 - what the survivor raises is the test's subject
+        out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
+
+
+def test_killed_rank_leaves_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, path, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, outcome, seconds = out.get(timeout=120)
+    except queue.Empty:
+        pytest.fail("the surviving rank neither returned nor raised within 120 s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == 17
+    print(f"rank 0 raised after {seconds:.2f} s: {outcome[:200]}")
+    assert rank == 0 and outcome != "returned", outcome
+    assert seconds < 2 * TIMEOUT_S, f"the survivor took {seconds:.1f} s to raise: {outcome}"
+    ckpt = Checkpoint(path)
+    ckpt.verify()
+    assert ckpt.manifest.step == 2
+    assert pathlib.Path(path, "manifest.json").exists()
