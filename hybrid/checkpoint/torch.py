@@ -215,12 +215,22 @@ def _save_whole(path, params, slots, count, info, plan, world_size, step, stage,
                        stage=stage, framework="torch", metadata=metadata)
 
 
+def _collective(path, what: str, fn, *args, **kwargs):
+    """Run a collective of a save; a peer that died or stalled becomes an error naming the save."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise RuntimeError(f"saving checkpoint {path}: rank {dist.get_rank()} failed in {what} (a peer died, "
+                           f"stalled past the process group's timeout, or left); the previous checkpoint at "
+                           f"this path is untouched. Cause: {e}") from e
+
+
 def _save_distributed(path, named, params, slots, count, info, complete, plan, step, stage, group, metadata):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # One object collective settles what every rank must agree on before any data moves.
     mine = (count, sorted(slots))
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
+    _collective(path, "the all_gather_object of step counts", dist.all_gather_object, everyone, mine, group=group)
     counts = {c for c, _ in everyone if c is not None}
     if len(counts) > 1:
         raise CheckpointError(f"ranks hold optimizer states of different step counts {sorted(counts)}")
@@ -244,20 +254,21 @@ def _save_distributed(path, named, params, slots, count, info, complete, plan, s
                 t = torch.from_numpy(flat.view(np.int16) if flat.dtype == np.uint16 else flat)
                 if flat.dtype == np.uint16:
                     t = t.view(torch.bfloat16)
-                dist.all_reduce(t, group=group)
+                _collective(path, f"the all_reduce of {slot} bucket {b}", dist.all_reduce, t, group=group)
         all_flats[slot] = per_bucket
     if rank == 0:
         begin_save(path)
-    dist.barrier(group=group)
+    _collective(path, "the barrier before writing", dist.barrier, group=group)
     entry = write_shard(path, rank, world_size, rank_tensors(plan, world_size, rank, all_flats))
     entries: list = [None] * world_size
-    dist.all_gather_object(entries, entry, group=group)
+    _collective(path, "the all_gather_object of file checksums", dist.all_gather_object, entries, entry, group=group)
     manifest = None
     if rank == 0:
         manifest = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, all_flats),
                             tuple(entries), dict(metadata or {}))
         commit_save(path, manifest)
-    dist.barrier(group=group)  # nobody returns (and perhaps loads) before the manifest is in place
+    # Nobody returns (and perhaps loads) before the manifest is in place.
+    _collective(path, "the barrier after the manifest", dist.barrier, group=group)
     return manifest
 
 
