@@ -1,4 +1,4 @@
-"""``python -m hybrid plan | bench NAME``."""
+"""``python -m hybrid plan | demo | bench NAME``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from hybrid import _plan_cli
     _plan_cli.add_parser(sub)
+    from hybrid import _demo_cli as demo_cli
+    demo_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS))
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -41,4 +43,6 @@ def _main(argv: list[str] | None) -> int:
                 parser.error(f"benchmark {args.name!r} is not implemented yet")
             raise
         return module.main(args.args)
+    if args.command == "demo":
+        return demo_cli.run(args)
     return _plan_cli.run(args)
