@@ -19,6 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from hybrid.core import BucketPlan, TensorSpec, canonical_dtype, ddp_size_limits, plan_buckets, rebuild_plan
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
 from hybrid import kernels
+from hybrid.torch import _compile  # issue 13: torch.compile(ddp) splits graphs
 
 _MB = 1024 * 1024
 _BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
@@ -346,7 +347,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sync_buffers()
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
-        out = self.module(*inputs, **kwargs)
+        # issue 13: under torch.compile the module runs compiled in pieces split at the bucket
+        # boundaries (hybrid/torch/_compile.py); eagerly it is self.module(*inputs, **kwargs).
+        out = _compile.forward_module(self, inputs, kwargs)
         if grad_sync:
             self._state = self._start_state
             self._iteration += 1
