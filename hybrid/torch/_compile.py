@@ -216,7 +216,8 @@ def _first_piece_without_output(plan: GraphSplitPlan, piece: dict) -> int | None
         return None
     has_output = [False] * plan.num_pieces
     for node, k in piece.items():
-        if not has_output[k] and any(u.op == "output" or piece.get(u, k) != k for u in node.users):
+        # get_attr nodes are copied into every piece that uses them: they are no piece's output
+        if node.op != "get_attr" and not has_output[k] and any(u.op == "output" or piece.get(u, k) != k for u in node.users):
             has_output[k] = True
     return next((k for k, ok in enumerate(has_output) if not ok), None)
 
