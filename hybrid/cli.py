@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-BENCHMARKS = ("ddp", "zero", "jax", "pack")
+BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile")
 
 
 def main(argv: list[str] | None = None) -> int:
