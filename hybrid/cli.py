@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("ddp", "zero", "jax", "pack")
+BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile")
 
 
 def main(argv: list[str] | None = None) -> int:

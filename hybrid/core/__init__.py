@@ -13,6 +13,7 @@ from hybrid.core._buckets import (
     rebuild_plan,
 )
 from hybrid.core._dtypes import canonical_dtype, itemsize
+from hybrid.core._graph_split import GraphSplitPlan, merge_piece, plan_graph_split, split_size_limits
 from hybrid.core._memory import OPTIMIZER_STATE_COPIES, ZeroMemory, zero_memory
 from hybrid.core._shard import (
     BucketAssignment,
@@ -31,9 +32,9 @@ from hybrid.core._spec import TensorSpec
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB",
-    "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GroupRun", "MemberSlice",
+    "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GraphSplitPlan", "GroupRun", "MemberSlice",
     "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "ReshardPlan", "ShardCopy", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",
-    "itemsize", "mark_ready", "mark_unused", "pack", "partition_params", "plan_buckets", "rebuild_plan", "reshard", "shard_flat", "start_iteration",
+    "itemsize", "mark_ready", "mark_unused", "merge_piece", "pack", "partition_params", "plan_buckets", "plan_graph_split", "rebuild_plan", "reshard", "shard_flat", "split_size_limits", "start_iteration",
     "take_shard", "unpack", "zero_memory",
 ]

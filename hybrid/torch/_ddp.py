@@ -21,6 +21,7 @@ from hybrid.core._reducer_state import ReducerState, start_iteration
 from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
 from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
 from hybrid.torch._reducer import Reducer
+from hybrid.torch import _compile  # torch.compile(ddp) splits graphs at the plan's bucket boundaries
 
 _MB = 1024 * 1024
 _BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
@@ -239,7 +240,9 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
         # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
         # iteration counter, the rebuild flag), which changed every step and recompiled each time.
         grad_sync = self._pre_forward()
-        out = self.module(*inputs, **kwargs)
+        # Under torch.compile the module runs compiled in pieces split at the bucket boundaries
+        # (hybrid/torch/_compile.py); eagerly this is self.module(*inputs, **kwargs).
+        out = _compile.forward_module(self, inputs, kwargs)
         self._post_forward(out, grad_sync)
         return out
 

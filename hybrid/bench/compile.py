@@ -1,0 +1,119 @@
+"""torch.compile on hybrid's DDP: graph split at the buckets vs not split vs eager vs torch's DDPOptimizer.
+
+World size 2 on gloo. Four variants of one model, stepped interleaved (forward, backward and the
+gradient reduction), rank 0's times:
+
+- ``split``: ``torch.compile(hybrid DDP)``, pieces cut at the reducer's buckets (hybrid.core);
+- ``whole``: the same with ``torch._dynamo.config.optimize_ddp = False`` (one graph);
+- ``eager``: hybrid DDP, not compiled;
+- ``torch``: ``torch.compile(torch's DDP)``, split by torch's ``DDPOptimizer``.
+
+The first step of each variant is its compile time (plus one step), printed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from hybrid.bench._stats import paired_ratio
+
+_MB = 1 << 20
+
+
+def _mlp(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _worker(rank, world, port, outdir, args):
+    from hybrid.torch import DistributedDataParallel as HybridDDP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    base = _mlp(args.width, args.depth)
+    x = torch.randn(args.batch, args.width)
+    cap = args.bucket_cap_mb
+    import copy
+    mods = {"split": HybridDDP(copy.deepcopy(base), bucket_cap_mb=cap),
+            "whole": HybridDDP(copy.deepcopy(base), bucket_cap_mb=cap),
+            "eager": HybridDDP(copy.deepcopy(base), bucket_cap_mb=cap),
+            "torch": torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)}
+    run = {"split": torch.compile(mods["split"], backend=args.backend),
+           "whole": torch.compile(mods["whole"], backend=args.backend),
+           "eager": mods["eager"],
+           "torch": torch.compile(mods["torch"], backend=args.backend)}
+
+    def step(k):
+        if k == "whole":
+            with torch._dynamo.config.patch(optimize_ddp=False):
+                run[k](x).sum().backward()
+        else:
+            run[k](x).sum().backward()
+
+    times = {k: [] for k in run}
+    first = {}
+    for it in range(args.reps + 3):  # the first step compiles, the second rebuilds buckets
+        for k in run:
+            for p in mods[k].parameters():
+                p.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(k)
+            dt = time.perf_counter() - t0
+            if it == 0:
+                first[k] = dt
+            elif it >= 3:
+                times[k].append(dt)
+    from hybrid.torch import split_reports
+    pieces = split_reports(mods["split"])[0].num_pieces
+    if rank == 0:
+        torch.save({"times": times, "first": first, "pieces": pieces,
+                    "buckets": mods["split"].bucket_plan.num_buckets,
+                    "params": sum(p.numel() for p in base.parameters())}, os.path.join(outdir, "res.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid bench compile", description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="aot_eager", help="dynamo backend (default aot_eager)")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--bucket-cap-mb", type=float, default=2.0,
+                        help="DDP bucket cap, also the split cap (torch's DDPOptimizer needs >= 1)")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="a small model, 3 repetitions")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.width, args.depth, args.reps = 512, 4, 3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outdir = tempfile.mkdtemp(prefix="hybrid_bench_compile_")
+    mp.spawn(_worker, args=(2, port, outdir, args), nprocs=2, join=True)
+    res = torch.load(os.path.join(outdir, "res.pt"))
+    t, med = res["times"], {k: statistics.median(v) for k, v in res["times"].items()}
+    print(f"world size 2, gloo, backend {args.backend}, MLP {args.depth}x{args.width} ({res['params']} params), "
+          f"cap {args.bucket_cap_mb} MiB: {res['pieces']} pieces, {res['buckets']} buckets; "
+          f"medians of {args.reps} interleaved steps, rank 0")
+    print(f"{'variant':<8} {'step ms':>9} {'first step (compile) s':>23}")
+    for k in t:
+        print(f"{k:<8} {med[k] * 1e3:>9.2f} {res['first'][k]:>23.2f}")
+    print(f"paired ratios: split/whole {paired_ratio(t['split'], t['whole']):.3f}  "
+          f"split/eager {paired_ratio(t['split'], t['eager']):.3f}  split/torch {paired_ratio(t['split'], t['torch']):.3f}")
+    return 0
