@@ -128,11 +128,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         grad_shards = []
         for b in range(layout.plan.num_buckets):
             flat = pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=cuda)
-            if stage == 1:
-                size = shards.shard_sizes[b]
-                shard = jax.lax.dynamic_slice_in_dim(jax.lax.psum(flat, axis_name), rank * size, size)
-            else:
-                shard = jax.lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
+            shard = _reduce_scatter(flat, axis_name)  # both stages: see _reduce_scatter
             grad_shards.append(shard / n if mean else shard)
         param_shards = None
         if params is not None:
@@ -144,9 +140,32 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         new_shards, inner_state = inner.update(tuple(grad_shards), state.inner, param_shards)
         out = {}
         for b, shard in enumerate(new_shards):
-            # to="invarying": every device holds the same result, so shard_map may return it as P().
-            full = jax.lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")
+            full = _all_gather(shard, axis_name)
             out.update(unpack_bucket(layout.plan, b, full, cuda=cuda))
         return layout.unflatten(out), ZeroState(inner_state, state.plan_fingerprint)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _reduce_scatter(flat, axis_name):
+    """This device's slice of the bucket summed over the axis, at stage 1 as at stage 2.
+
+    A functional step never returns the full reduced gradient, so stage 1 needs no all-reduce:
+    reduce-scatter here plus all-gather of the updates moves what DDP's one all-reduce moves
+    (ZeRO's P_os). A bucket of zero-size leaves has nothing to reduce, and XLA cannot lower a
+    collective over it.
+    """
+    if flat.shape[0] == 0:
+        return flat
+    return jax.lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
+
+
+def _all_gather(shard, axis_name):
+    """The bucket of every device's updated slice, invariant over the axis.
+
+    ``to="invarying"``: every device holds the same result, so shard_map may return it as P().
+    An empty bucket is a constant, invariant too.
+    """
+    if shard.shape[0] == 0:
+        return jnp.zeros((0,), shard.dtype)
+    return jax.lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")
