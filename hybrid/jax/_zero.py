@@ -7,23 +7,14 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
+from hybrid.jax._elementwise import GLOBAL_DECISIONS, NON_ELEMENTWISE, check_exact_on_shards
+from hybrid.jax._elementwise import non_elementwise as _non_elementwise
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device
-
-# optax transforms whose result depends on statistics across elements, leaves or shapes: run on
-# per-bucket flat shards they would silently compute something else. Matched on the qualified name
-# of their update function (``clip_by_global_norm.<locals>.update_fn``).
-NON_ELEMENTWISE = (
-    "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "scale_by_trust_ratio",
-    "scale_by_factored_rms", "scale_by_param_block_norm", "scale_by_param_block_rms",
-    "centralize", "masked", "multi_transform", "partition", "normalize_by_update_norm",
-    "scale_by_lbfgs", "scale_by_polyak", "scale_by_muon", "scale_by_sm3", "scale_by_novograd",
-    "scale_by_zoom_linesearch", "scale_by_backtracking_linesearch", "scale_by_distance_over_gradients",
-    "scale_by_lars", "per_example_global_norm_clip",
-)
 
 _TRUST_RATIO = ("{} scales each leaf by a trust ratio, ||param|| / ||update|| of that whole leaf; on a flat "
                 "shard it would be the ratio of the shard's norms. Use an elementwise optimizer (adamw) inside "
@@ -34,44 +25,10 @@ _ADVICE = {
                            "inside zero: it sums the shards' squared norms over the axis.",
     "scale_by_trust_ratio": _TRUST_RATIO.format("LAMB (scale_by_trust_ratio)", "lamb", "lamb"),
     "scale_by_lars": _TRUST_RATIO.format("LARS (scale_by_lars)", "lars", "lars"),
+    "apply_if_finite": "For skipping non-finite steps use " + GLOBAL_DECISIONS["apply_if_finite"] + ".",
     None: "Keep such a transform outside zero, after an unsharded reduction "
           "(optax.chain(hybrid.jax.bucketed_all_reduce(axis), transform)).",
 }
-
-
-def _non_elementwise(inner) -> list[str]:
-    """Names of known non-elementwise optax transforms reachable from ``inner``'s update closure."""
-    found, seen = [], set()
-
-    def visit(obj, depth):
-        if depth > 12 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, optax.GradientTransformation):
-            visit(obj.update, depth + 1)
-        elif isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1)
-            for a in (*obj.args, *obj.keywords.values()):
-                visit(a, depth + 1)
-        elif callable(obj) and hasattr(obj, "__code__"):
-            if (obj.__module__ or "").startswith("optax"):
-                outer = obj.__qualname__.split(".<locals>")[0]
-                if outer in NON_ELEMENTWISE and outer not in found:
-                    found.append(outer)
-            for cell in obj.__closure__ or ():
-                try:
-                    visit(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    pass
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                visit(x, depth + 1)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                visit(x, depth + 1)
-
-    visit(inner, 0)
-    return found
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["inner"], meta_fields=["plan_fingerprint"])
@@ -97,8 +54,9 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
 
     Gradients (per device, see :func:`hybrid.jax.local_grad`) are packed into the buckets of
     ``hybrid.core.plan_buckets``; every bucket is cut into equal slices by ``shard_flat``.
-    Stage 1 all-reduces each bucket and keeps this device's slice; stage 2 reduce-scatters it
-    (``psum_scatter``). ``inner`` then updates the slices (params sliced alike for weight decay)
+    Both stages reduce-scatter each bucket (``psum_scatter``) to this device's slice: in a
+    functional step the full reduced gradient is never returned, so stage 1 and 2 are one program
+    (see docs/jax.md). ``inner`` then updates the slices (params sliced alike for weight decay)
     and the updates are all-gathered back into the tree. ``init`` and ``update`` must run where
     ``axis_name`` is bound: ``jax.shard_map`` (state out_specs from :func:`hybrid.jax.state_specs`),
     ``jax.pmap``, or a multi-process mesh.
@@ -106,12 +64,15 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...) and for
     :func:`hybrid.jax.clip_by_global_norm`. Known non-elementwise optax transforms
     (``NON_ELEMENTWISE``: ``optax.clip_by_global_norm``, masks, trust ratios, factored
-    second moments ...) raise a ValueError unless ``check_elementwise=False``.
+    second moments ...), also inside ``inject_hyperparams``, ``MultiSteps`` and chains, raise a
+    ValueError unless ``check_elementwise=False``, as do ``optax.apply_if_finite`` (use
+    :func:`hybrid.jax.apply_if_finite`) and any transform that a small probe finds
+    non-elementwise (see ``hybrid.jax._elementwise``).
 
     Args:
       inner: any optax transform.
       axis_name: the data-parallel axis.
-      stage: 1 (all-reduce, then slice) or 2 (reduce-scatter).
+      stage: 1 or 2, accepted for parity with torch's ZeRO-1 / ZeRO-2; the same program.
       bucket_cap_bytes / first_bucket_cap_bytes: bucket caps, as DDP's.
       mean: average gradients over the axis (DDP) instead of summing.
       order: leaf names in registration order (see :func:`hybrid.jax.specs`).
@@ -141,6 +102,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
                              f"elements or on tree structure and are not exact on flat shards. {advice} "
                              f"Or pass check_elementwise=False if you accept the difference")
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    if check_elementwise:
+        check_exact_on_shards(inner, axis_name)
 
     def layout_of(tree, what):
         return _Layout.of(tree, what=what, order=order, **caps)
@@ -180,11 +143,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         grad_shards = []
         for b in range(layout.plan.num_buckets):
             flat = pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=cuda)
-            if stage == 1:
-                size = shards.shard_sizes[b]
-                shard = jax.lax.dynamic_slice_in_dim(jax.lax.psum(flat, axis_name), rank * size, size)
-            else:
-                shard = jax.lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
+            shard = _reduce_scatter(flat, axis_name)  # both stages: see _reduce_scatter
             grad_shards.append(shard / n if mean else shard)
         param_shards = None
         if params is not None:
@@ -196,9 +155,32 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         new_shards, inner_state = inner.update(tuple(grad_shards), state.inner, param_shards)
         out = {}
         for b, shard in enumerate(new_shards):
-            # to="invarying": every device holds the same result, so shard_map may return it as P().
-            full = jax.lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")
+            full = _all_gather(shard, axis_name)
             out.update(unpack_bucket(layout.plan, b, full, cuda=cuda))
         return layout.unflatten(out), ZeroState(inner_state, state.plan_fingerprint)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _reduce_scatter(flat, axis_name):
+    """This device's slice of the bucket summed over the axis, at stage 1 as at stage 2.
+
+    A functional step never returns the full reduced gradient, so stage 1 needs no all-reduce:
+    reduce-scatter here plus all-gather of the updates moves what DDP's one all-reduce moves
+    (ZeRO's P_os). A bucket of zero-size leaves has nothing to reduce, and XLA cannot lower a
+    collective over it.
+    """
+    if flat.shape[0] == 0:
+        return flat
+    return jax.lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
+
+
+def _all_gather(shard, axis_name):
+    """The bucket of every device's updated slice, invariant over the axis.
+
+    ``to="invarying"``: every device holds the same result, so shard_map may return it as P().
+    An empty bucket is a constant, invariant too.
+    """
+    if shard.shape[0] == 0:
+        return jnp.zeros((0,), shard.dtype)
+    return jax.lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")

@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["hybrid.jax._all_reduce", "hybrid.jax._clip", "hybrid.jax._grad",
+@pytest.mark.parametrize("name", ["hybrid.jax._all_reduce", "hybrid.jax._clip", "hybrid.jax._elementwise",
+                                  "hybrid.jax._finite", "hybrid.jax._grad",
                                   "hybrid.jax._specs", "hybrid.jax._state_specs",
                                   "hybrid.jax._zero"])
 def test_module_doctests(name):
