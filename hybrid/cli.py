@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile")
+BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile", "checkpoint")
 
 
 def main(argv: list[str] | None = None) -> int:

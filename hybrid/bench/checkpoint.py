@@ -1,0 +1,178 @@
+"""``python -m hybrid bench checkpoint``: sharded checkpoint save and load speed per rank, against
+plain file I/O of the same bytes, measured side by side.
+
+torch: two gloo processes, the MLP of ``bench zero`` (DDP + hybrid ZeroRedundancyOptimizer(Adam),
+one step taken so the state exists). Each repetition, interleaved and after a barrier:
+
+- ``save``:        ``hybrid.checkpoint.torch.save`` (ZeRO-1 state summed over ranks per bucket, each
+                   rank writes and fsyncs its file, rank 0 the manifest, the directory swapped in);
+- ``plain write``: each rank writes the same number of bytes to one file with one ``write`` + fsync;
+- ``load``:        ``hybrid.checkpoint.torch.load`` (every file's SHA-256 checked, every rank reads all
+                   parameters and state, as a replicated model needs);
+- ``plain read``:  each rank reads the same files with plain ``read`` calls.
+
+JAX: ``hybrid.jax.zero`` state on 2 host devices in one process, ``hybrid.checkpoint.jax.save``
+(the devices' files written in parallel threads) against writing the same files plainly in the
+same threads, and ``load`` against reading them.
+
+MB/s are per rank (this rank's bytes over its time); ratios are hybrid's time over plain I/O's
+(median of each, and the paired median of per-repetition ratios). Files go to ``--dir`` (default a
+temporary directory: on this machine's disk, mostly its page cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+from hybrid._table import format_table
+from hybrid.bench._stats import paired_ratio
+
+WORLD_SIZE = 2
+DEFAULT_WIDTHS = "1536,2048,1024,1536,768"
+
+
+def _plain_write(path: pathlib.Path, nbytes: int) -> None:
+    data = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t
+
+
+def _plain_read(paths) -> float:
+    t = time.perf_counter()
+    for p in paths:
+        with open(p, "rb") as f:
+            f.read()
+    return time.perf_counter() - t
+
+
+def _torch_worker(rank: int, port: int, widths, reps: int, root: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hybrid.bench.zero import _mlp
+    from hybrid.checkpoint import torch as ckpt
+    from hybrid.torch import DistributedDataParallel, ZeroRedundancyOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_mlp(widths))
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-3)
+    ddp(torch.randn(8, widths[0])).square().mean().backward()
+    opt.step()
+    path = pathlib.Path(root) / "ckpt"
+    times = {k: [] for k in ("save", "plain write", "load", "plain read")}
+    ckpt.save(path, ddp, opt, step=1)  # warm-up, and the file sizes to match
+    files = sorted(path.glob("rank-*.safetensors"))
+    mine = files[rank].stat().st_size
+    everything = [*files, path / "manifest.json"]
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        ckpt.save(path, ddp, opt, step=1)
+        times["save"].append(time.perf_counter() - t)
+        dist.barrier()
+        times["plain write"].append(_plain_write(pathlib.Path(root) / f"plain-{rank}", mine))
+        dist.barrier()
+        t = time.perf_counter()
+        ckpt.load(path, ddp, opt)
+        times["load"].append(time.perf_counter() - t)
+        dist.barrier()
+        times["plain read"].append(_plain_read(everything))
+    if rank == 0:
+        read = sum(p.stat().st_size for p in everything)
+        pathlib.Path(out).write_text(json.dumps({"times": times, "written": mine, "read": read,
+                                                 "num_params": sum(p.numel() for p in ddp.parameters())}))
+    dist.destroy_process_group()
+
+
+def _jax_bench(widths, reps: int, root: str) -> dict:
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import hybrid.jax as hj
+    from hybrid.checkpoint import jax as ckpt
+
+    rng = np.random.default_rng(0)
+    params = {"layers": [{"weight": rng.normal(size=(b, a)).astype(np.float32) * 0.01,
+                          "bias": np.zeros(b, np.float32)} for a, b in zip(widths, widths[1:])]}
+    mesh = Mesh(np.array(jax.devices()[:WORLD_SIZE]), ("dp",))
+    tx = hj.zero(optax.adam(1e-3), "dp")
+    specs = hj.state_specs(tx, params, "dp", axis_size=WORLD_SIZE)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    path = pathlib.Path(root) / "jax-ckpt"
+    ckpt.save(path, params, state, step=0)
+    files = sorted(path.glob("rank-*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    times = {k: [] for k in ("save", "plain write", "load", "plain read")}
+    with concurrent.futures.ThreadPoolExecutor(WORLD_SIZE) as pool:
+        for _ in range(reps):
+            t = time.perf_counter()
+            ckpt.save(path, params, state, step=0)
+            times["save"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            list(pool.map(lambda r: _plain_write(pathlib.Path(root) / f"jax-plain-{r}", sizes[r]), range(WORLD_SIZE)))
+            times["plain write"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            jax.block_until_ready(ckpt.load(path, params, state)[:2])
+            times["load"].append(time.perf_counter() - t)
+            times["plain read"].append(_plain_read([*files, path / "manifest.json"]))
+    return {"times": times, "written": max(sizes), "read": sum(sizes),
+            "num_params": sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))}
+
+
+def _report(title: str, result: dict) -> None:
+    t = result["times"]
+    mb = lambda n: n / 1e6
+    rows = []
+    for op, plain, nbytes in (("save", "plain write", result["written"]), ("load", "plain read", result["read"])):
+        for name in (op, plain):
+            rows.append([name, f"{statistics.median(t[name]) * 1e3:.1f}", f"{mb(nbytes) / statistics.median(t[name]):.0f}",
+                         "" if name != op else f"{statistics.median(t[op]) / statistics.median(t[plain]):.3f}",
+                         "" if name != op else f"{paired_ratio(t[op], t[plain]):.3f}"])
+    print(f"\n{title}: {result['num_params']:,} parameters + Adam state; {mb(result['written']):.1f} MB written "
+          f"per rank, {mb(result['read']):.1f} MB read per rank on load; {len(t['save'])} repetitions")
+    print(format_table(["operation", "median ms", "MB/s per rank", "hybrid / plain", "paired"], rows))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid bench checkpoint", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10)")
+    parser.add_argument("--widths", default=None, help=f"MLP layer widths (default {DEFAULT_WIDTHS}, bench zero's)")
+    parser.add_argument("--dir", default=None, help="where to write (default a temporary directory)")
+    parser.add_argument("--skip-jax", action="store_true")
+    args = parser.parse_args(argv)
+    widths = tuple(int(w) for w in (args.widths or ("256,512,256" if args.quick else DEFAULT_WIDTHS)).split(","))
+    reps = args.reps or (3 if args.quick else 10)
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={WORLD_SIZE}"
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import torch.multiprocessing as mp
+
+    from hybrid.demo._torch_run import free_port
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        out = os.path.join(root, "torch.json")
+        mp.spawn(_torch_worker, args=(free_port(), widths, reps, root, out), nprocs=WORLD_SIZE, join=True)
+        _report(f"torch, {WORLD_SIZE} gloo ranks, DDP + ZeroRedundancyOptimizer", json.loads(pathlib.Path(out).read_text()))
+        if not args.skip_jax:
+            _report(f"JAX, hybrid.jax.zero on {WORLD_SIZE} host devices, one process",
+                    _jax_bench(widths, reps, root))
+    return 0
