@@ -49,15 +49,6 @@ def runs(tmp_path_factory):
     return out
 
 
-def _close(a, b, tol):
-    np.testing.assert_allclose(a.losses, b, **tol)
-
-
-def _params_close(a, b, tol):
-    for k in a.params:
-        np.testing.assert_allclose(a.params[k], b.params[k], **tol, err_msg=k)
-
-
 @pytest.mark.parametrize("copy", ["torch_copy", "jax_copy"])
 def test_load_then_save_is_bitwise(runs, copy):
     src, dst = Checkpoint(runs["dir"] / "torch2"), Checkpoint(runs["dir"] / copy)
@@ -80,29 +71,23 @@ def test_manifest_records_the_run(runs):
     assert t.optimizer.hyperparameters["param_groups"][0]["betas"] == [0.9, 0.999]
 
 
-def test_torch_2_to_3(runs):
-    _close(runs["torch3"], runs["torch2"].losses[SAVE:], SAME)
-    _params_close(runs["torch3"], runs["torch2"], SAME)
+# (resumed run, the run it continues, that run's step the resumed one started at, tolerances)
+HAND_OVERS = {
+    "torch 2 -> torch 3": ("torch3", "torch2", SAVE, SAME, SAME),
+    "torch 3 -> torch 1": ("torch1", "torch3", 9, SAME, SAME),
+    "torch -> JAX": ("jax3", "torch2", SAVE, PARITY_LOSS, PARITY_PARAMS),
+    "JAX -> torch": ("torch2_from_jax", "jax3", 9, PARITY_LOSS, PARITY_PARAMS),
+    "JAX 3 -> JAX 1": ("jax1", "jax3", 9, SAME, SAME),
+}
 
 
-def test_torch_3_to_1(runs):
-    _close(runs["torch1"], runs["torch3"].losses[9 - SAVE:], SAME)
-    _params_close(runs["torch1"], runs["torch3"], SAME)
-
-
-def test_torch_to_jax(runs):
-    _close(runs["jax3"], runs["torch2"].losses[SAVE:], PARITY_LOSS)
-    _params_close(runs["jax3"], runs["torch2"], PARITY_PARAMS)
-
-
-def test_jax_to_torch(runs):
-    _close(runs["torch2_from_jax"], runs["jax3"].losses[9 - SAVE:], PARITY_LOSS)
-    _params_close(runs["torch2_from_jax"], runs["jax3"], PARITY_PARAMS)
-
-
-def test_jax_3_to_1(runs):
-    _close(runs["jax1"], runs["jax3"].losses[9 - SAVE:], SAME)
-    _params_close(runs["jax1"], runs["jax3"], SAME)
+@pytest.mark.parametrize("hand_over", list(HAND_OVERS))
+def test_resumed_run_follows_the_uninterrupted_one(runs, hand_over):
+    resumed, reference, start, loss_tol, params_tol = HAND_OVERS[hand_over]
+    ref = runs[reference]
+    np.testing.assert_allclose(runs[resumed].losses, ref.losses[start - ref.start_step:], **loss_tol)
+    for k in ref.params:
+        np.testing.assert_allclose(runs[resumed].params[k], ref.params[k], **params_tol, err_msg=k)
 
 
 def test_resumed_runs_continue_the_curve(runs):

@@ -20,6 +20,7 @@ import pytest
 
 from hybrid.demo import TrainConfig, launch_torch, train_jax
 from hybrid.demo._torch_run import free_port
+from tests._procs import finish
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -34,17 +35,7 @@ def _env() -> dict:
 
 
 def _finish(procs, what: str) -> list[str]:
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"{what} process {i} exited with {p.returncode}:\n{out[-4000:]}"
-    return outs
+    return finish(procs, what, timeout_s=TIMEOUT_S)
 
 
 def _printed_losses(out: str) -> np.ndarray:

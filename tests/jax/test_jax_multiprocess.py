@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._procs import finish
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 
@@ -26,15 +28,6 @@ def test_two_processes(local_devices):
     procs = [subprocess.Popen([sys.executable, str(HERE / "_jax_mp_worker.py"), str(port), str(i),
                                str(local_devices), "5"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    for out in finish(procs, "jax.distributed", timeout_s=150):
         for what in ("zero stage 2", "bucketed_all_reduce"):
             assert f"{what}: {2 * local_devices} devices, {local_devices} local, 5 steps equal the reference" in out, out
