@@ -1,32 +1,51 @@
-"""The twin model trained by both frontends: the parity tests, the examples and ``python -m hybrid demo``."""
+"""The twin model trained by both frontends: the parity tests, the examples and ``python -m hybrid demo``.
 
-from hybrid.demo._jax_run import JaxTraining
-from hybrid.demo._jax_run import build_jax
-from hybrid.demo._jax_run import cross_entropy
-from hybrid.demo._jax_run import host_mesh
-from hybrid.demo._jax_run import jax_params
-from hybrid.demo._jax_run import make_optimizer
-from hybrid.demo._jax_run import mlp_logits
-from hybrid.demo._jax_run import numpy_params
-from hybrid.demo._jax_run import pin_jax_numerics
-from hybrid.demo._jax_run import train_jax
-from hybrid.demo._jax_run import train_jax_steps
-from hybrid.demo._model import TrainConfig
-from hybrid.demo._model import TrainResult
-from hybrid.demo._model import global_batch
-from hybrid.demo._model import init_params
-from hybrid.demo._model import param_order
-from hybrid.demo._model import param_specs
-from hybrid.demo._model import rank_rows
-from hybrid.demo._torch_run import TorchMLP
-from hybrid.demo._torch_run import build_torch
-from hybrid.demo._torch_run import launch_torch
-from hybrid.demo._torch_run import pin_torch_numerics
-from hybrid.demo._torch_run import spawn_world
-from hybrid.demo._torch_run import torch_model
-from hybrid.demo._torch_run import train_torch
-from hybrid.demo._torch_run import train_torch_runs
-from hybrid.demo._torch_run import train_torch_steps
+The torch and JAX halves are imported on first use (PEP 562), so a spawned torch worker that
+unpickles ``train_torch`` does not import JAX, and a JAX script does not import torch.
+"""
+
+import importlib
+
+_WHERE = {
+    "TrainConfig": "hybrid.demo._model",
+    "TrainResult": "hybrid.demo._model",
+    "global_batch": "hybrid.demo._model",
+    "init_params": "hybrid.demo._model",
+    "param_order": "hybrid.demo._model",
+    "param_specs": "hybrid.demo._model",
+    "rank_rows": "hybrid.demo._model",
+    "TorchMLP": "hybrid.demo._torch_run",
+    "build_torch": "hybrid.demo._torch_run",
+    "launch_torch": "hybrid.demo._torch_run",
+    "pin_torch_numerics": "hybrid.demo._torch_run",
+    "spawn_world": "hybrid.demo._torch_run",
+    "torch_model": "hybrid.demo._torch_run",
+    "train_torch": "hybrid.demo._torch_run",
+    "train_torch_runs": "hybrid.demo._torch_run",
+    "train_torch_steps": "hybrid.demo._torch_run",
+    "JaxTraining": "hybrid.demo._jax_run",
+    "build_jax": "hybrid.demo._jax_run",
+    "cross_entropy": "hybrid.demo._jax_run",
+    "host_mesh": "hybrid.demo._jax_run",
+    "jax_params": "hybrid.demo._jax_run",
+    "make_optimizer": "hybrid.demo._jax_run",
+    "mlp_logits": "hybrid.demo._jax_run",
+    "numpy_params": "hybrid.demo._jax_run",
+    "pin_jax_numerics": "hybrid.demo._jax_run",
+    "train_jax": "hybrid.demo._jax_run",
+    "train_jax_steps": "hybrid.demo._jax_run",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'hybrid.demo' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
+
 
 __all__ = [
     "JaxTraining", "TorchMLP", "TrainConfig", "TrainResult",
