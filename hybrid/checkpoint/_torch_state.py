@@ -1,0 +1,149 @@
+"""What a torch optimizer holds, in the checkpoint's terms: which parameters have state on this
+rank, torch's state keys as framework-neutral slots, and the step count they agree on.
+
+ZeroRedundancyOptimizer (hybrid's or torch's) holds whole tensors of its own share, ZeRO2 hands
+out every parameter's whole state through its ``state_dict()`` (a collective), a plain optimizer
+holds everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybrid.core import TensorSpec, canonical_dtype
+from hybrid.checkpoint._manifest import CheckpointError
+
+
+# torch's state keys -> the checkpoint's framework-neutral slot names (optax's field names).
+SLOT_OF_TORCH_KEY = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
+TORCH_KEY_OF_SLOT = {v: k for k, v in SLOT_OF_TORCH_KEY.items()}
+_NAME_OF_CLASS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd"}
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    # hybrid's and torch's DDP both keep the user's model in .module; names are the model's own.
+    return module.module if hasattr(module, "module") and hasattr(module, "process_group") else module
+
+
+def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a checkpoint holds, in DDP's registration order, named as in the bare model."""
+    from hybrid.torch._ddp_parts import _reduced_parameters
+    return _reduced_parameters(_unwrap(module))
+
+
+def _specs(named) -> list[TensorSpec]:
+    # Devices are left out: a checkpoint is the same whichever GPU each rank saved it from.
+    return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype)) for n, p in named]
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if like.dtype == torch.bfloat16:
+        t = t.view(torch.int16).view(torch.bfloat16)
+    return t.to(device=like.device, dtype=like.dtype).reshape(like.shape)
+
+
+# -- which optimizer holds which state --------------------------------------------------------------
+
+def _inner(optimizer):
+    """The torch.optim optimizer that really steps (ZeRO's local one, or the optimizer itself)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _is_zero2(optimizer) -> bool:
+    from hybrid.torch import ZeRO2
+    return isinstance(optimizer, ZeRO2)
+
+
+def _is_zero1(optimizer) -> bool:
+    from hybrid.torch import ZeroRedundancyOptimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    return isinstance(optimizer, (ZeroRedundancyOptimizer, TorchZero))
+
+
+def _params_in_state_order(optimizer) -> list[torch.Tensor]:
+    """The parameter behind each index of ``optimizer.state_dict()`` (torch's numbering)."""
+    if _is_zero2(optimizer):
+        return [optimizer._params[i] for i in optimizer._torch_order]
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _group_sizes(optimizer) -> list[int]:
+    if _is_zero2(optimizer):
+        return [optimizer._group_of.count(g) for g in range(len(optimizer.param_groups))]
+    return [len(g["params"]) for g in optimizer.param_groups]
+
+
+def _local_states(optimizer) -> tuple[dict[int, dict[str, Any]], bool]:
+    """``({id(param): torch state}, complete)``: what this rank holds, and whether it is all of it."""
+    if _is_zero2(optimizer):  # a collective: every rank gets every parameter's whole state
+        params = _params_in_state_order(optimizer)
+        return {id(params[i]): st for i, st in optimizer.state_dict()["state"].items()}, True
+    if _is_zero1(optimizer):
+        if getattr(optimizer, "_overlap_with_ddp", False):
+            params = optimizer._params
+            return {id(params[i]): st for i, st in optimizer._overlap_local_state()["state"].items()}, False
+        return {id(p): st for p, st in optimizer.optim.state.items()}, optimizer.world_size == 1
+    return {id(p): st for p, st in optimizer.state.items()}, True
+
+
+def expected_slots(optimizer) -> tuple[str, ...]:
+    """The slots ``optimizer`` keeps once it has stepped (known before it has)."""
+    inner = _inner(optimizer)
+    name = type(inner).__name__
+    group = inner.param_groups[0] if inner.param_groups else inner.defaults
+    if name in ("Adam", "AdamW"):
+        if group.get("amsgrad"):
+            raise CheckpointError(f"{name}(amsgrad=True) keeps max_exp_avg_sq, which checkpoints do not hold yet")
+        return ("mu", "nu")
+    if name == "SGD":
+        return ("trace",) if group.get("momentum", 0) else ()
+    raise CheckpointError(f"checkpoints hold Adam, AdamW and SGD state; {name} is not supported yet")
+
+
+def _hyperparameters(optimizer) -> dict[str, Any]:
+    def jsonable(v):
+        return isinstance(v, (int, float, bool, str)) or v is None or (
+            isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v))
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and jsonable(v)}
+              for g in optimizer.param_groups]
+    return {"param_groups": groups}
+
+
+def _slots_and_count(named, states: dict[int, dict[str, Any]]) -> tuple[dict[str, dict[str, np.ndarray]], int | None]:
+    """This rank's slot arrays by name and the step count its states agree on (None: no state)."""
+    slots: dict[str, dict[str, np.ndarray]] = {}
+    counts: dict[str, int] = {}
+    for name, p in named:
+        st = states.get(id(p))
+        if not st:
+            continue
+        for key, value in st.items():
+            if key == "step":
+                counts[name] = int(value.item() if torch.is_tensor(value) else value)
+            elif torch.is_tensor(value) and value.shape == p.shape:
+                slots.setdefault(SLOT_OF_TORCH_KEY.get(key, key), {})[name] = _numpy(value)
+    if len(set(counts.values())) > 1:
+        raise CheckpointError(f"parameters have taken different numbers of optimizer steps {counts}; a "
+                              f"checkpoint holds one count (optax's), so all must have stepped alike")
+    return slots, (next(iter(counts.values())) if counts else None)
+
+
+def _fill_slots(named, slots, info) -> dict[str, dict[str, np.ndarray]]:
+    """Every expected slot for every parameter: zeros where no state exists yet (a fresh optimizer)."""
+    if info is None:
+        return {}
+    unknown = sorted(set(slots) - set(info.slots))
+    if unknown:
+        raise CheckpointError(f"the optimizer holds state {unknown} beyond its known slots {list(info.slots)}")
+    return {s: {n: slots.get(s, {}).get(n, np.zeros_like(_numpy(p))) for n, p in named}
+            for s in info.slots}

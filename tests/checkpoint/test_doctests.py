@@ -1,0 +1,14 @@
+"""The runnable examples in hybrid.checkpoint's docstrings run."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._write", "hybrid.checkpoint.torch", "hybrid.checkpoint.jax"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_doctests(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
