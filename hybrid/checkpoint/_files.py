@@ -9,6 +9,7 @@ previous checkpoint as it was.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 import shutil
@@ -16,7 +17,6 @@ import warnings
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save as _safetensors_bytes
 
 from hybrid.core import FlatShardPlan, ReshardPlan, reshard, shard_flat, unpack
 from hybrid.checkpoint._manifest import MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
@@ -46,13 +46,42 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _write_atomically(target: pathlib.Path, data: bytes) -> None:
+_SAFETENSORS_DTYPE = {"float64": "F64", "float32": "F32", "float16": "F16", "uint16": "U16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def _write_atomically(target: pathlib.Path, chunks) -> tuple[int, str]:
+    """Write ``chunks`` (bytes-like) to ``target.part``, fsync, rename; returns (bytes, SHA-256)."""
     part = target.with_name(target.name + ".part")
+    digest, size = hashlib.sha256(), 0
     with open(part, "wb") as f:
-        f.write(data)
+        for chunk in chunks:
+            digest.update(chunk)
+            size += f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, target)
+    return size, digest.hexdigest()
+
+
+def _safetensors_chunks(tensors: dict[str, list[np.ndarray]]):
+    """The safetensors format (an 8-byte header length, a JSON header, the raw data), streamed from
+    1-D pieces: each tensor is the concatenation of its pieces, which are never joined in memory."""
+    header, offset = {}, 0
+    for key, pieces in tensors.items():
+        dtype = pieces[0].dtype
+        assert all(p.dtype == dtype and p.ndim == 1 for p in pieces), key
+        n = sum(p.shape[0] for p in pieces)
+        header[key] = {"dtype": _SAFETENSORS_DTYPE[dtype.name], "shape": [n],
+                       "data_offsets": [offset, offset + n * dtype.itemsize]}
+        offset += n * dtype.itemsize
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    yield len(text).to_bytes(8, "little") + text
+    for pieces in tensors.values():
+        for p in pieces:
+            if p.size:
+                yield memoryview(np.ascontiguousarray(p)).cast("B")
 
 
 def begin_save(path: str | os.PathLike) -> pathlib.Path:
@@ -64,19 +93,22 @@ def begin_save(path: str | os.PathLike) -> pathlib.Path:
     return staging
 
 
-def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, np.ndarray]) -> FileEntry:
-    """Write rank ``rank``'s file into the staging directory of ``path``; returns its entry."""
-    data = _safetensors_bytes({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, list[np.ndarray]]) -> FileEntry:
+    """Write rank ``rank``'s file into the staging directory of ``path``; returns its entry.
+
+    ``tensors[key]`` is a list of 1-D pieces whose concatenation is the saved tensor (a slice of
+    a flat bucket, cut from the parameters without packing them first).
+    """
     name = shard_file_name(rank, world_size)
-    _write_atomically(_staging(pathlib.Path(path)) / name, data)
-    return FileEntry(name, rank, len(data), hashlib.sha256(data).hexdigest())
+    size, sha = _write_atomically(_staging(pathlib.Path(path)) / name, _safetensors_chunks(tensors))
+    return FileEntry(name, rank, size, sha)
 
 
 def commit_save(path: str | os.PathLike, manifest: Manifest) -> None:
     """Write the manifest last, then swap the staging directory into ``path`` (one process)."""
     path = pathlib.Path(path)
     staging, previous = _staging(path), _previous(path)
-    _write_atomically(staging / MANIFEST, manifest.dumps().encode())
+    _write_atomically(staging / MANIFEST, [manifest.dumps().encode()])
     _fsync_dir(staging)
     shutil.rmtree(previous, ignore_errors=True)
     if path.exists():

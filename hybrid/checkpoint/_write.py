@@ -5,11 +5,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from hybrid.core import BucketPlan, TensorSpec, canonical_dtype, pack, plan_buckets, shard_flat
+from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat
 from hybrid.checkpoint._files import begin_save, commit_save, storage_dtype, write_shard
 from hybrid.checkpoint._manifest import Manifest, OptimizerInfo
 
@@ -20,15 +20,42 @@ def to_storage(array: np.ndarray) -> np.ndarray:
     return array.view(storage_dtype(canonical_dtype(array.dtype)))
 
 
-def rank_tensors(plan: BucketPlan, world_size: int, rank: int,
-                 flats: Mapping[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
-    """Rank ``rank``'s file contents: its slice of every padded flat bucket of every kind."""
+def slice_pieces(shards: FlatShardPlan, bucket: int, rank: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Rank ``rank``'s slice of bucket ``bucket`` as 1-D pieces of ``arrays`` (one per spec, stored
+    dtypes) and zeros for alignment gaps and padding: the bucket is never packed whole.
+
+    >>> from hybrid.core import TensorSpec, plan_buckets, shard_flat
+    >>> plan = plan_buckets([TensorSpec("a", (3,), "float32"), TensorSpec("b", (2,), "float32")])
+    >>> arrays = [np.arange(3, dtype=np.float32), np.arange(10, 12, dtype=np.float32)]
+    >>> [p.tolist() for p in slice_pieces(shard_flat(plan, 2), 0, 1, arrays)]
+    [[10.0, 11.0], [0.0]]
+    """
+    start, stop = shards.shard_range(bucket, rank)
+    dtype = storage_dtype(shards.bucket_plan.buckets[bucket].dtype)
+    pieces, pos = [], 0
+    for m in shards.member_slices(bucket, rank):
+        if m.shard_offset > pos:
+            pieces.append(np.zeros(m.shard_offset - pos, dtype))
+        pieces.append(np.asarray(arrays[m.tensor]).reshape(-1)[m.start:m.stop])
+        pos = m.shard_offset + m.stop - m.start
+    if stop - start > pos or not pieces:
+        pieces.append(np.zeros(stop - start - pos, dtype))
+    return pieces
+
+
+def rank_tensors(plan: BucketPlan, world_size: int, rank: int, *, flats: Mapping[str, list[np.ndarray]] = {},
+                 arrays: Mapping[str, Sequence[np.ndarray]] = {}) -> dict[str, list[np.ndarray]]:
+    """Rank ``rank``'s file contents: its slice of every bucket of every kind, from padded flat
+    buckets (``flats[kind][b]``) or from whole arrays (``arrays[kind][spec_index]``)."""
     shards = shard_flat(plan, world_size)
     out = {}
     for kind, per_bucket in flats.items():
         for b, flat in enumerate(per_bucket):
             start, stop = shards.shard_range(b, rank)
-            out[f"{kind}/{b}"] = flat[start:stop]
+            out[f"{kind}/{b}"] = [flat[start:stop]]
+    for kind, per_spec in arrays.items():
+        for b in range(plan.num_buckets):
+            out[f"{kind}/{b}"] = slice_pieces(shards, b, rank, per_spec)
     return out
 
 
@@ -36,11 +63,14 @@ def dtypes_of(plan: BucketPlan, kinds) -> dict[str, str]:
     return {f"{kind}/{b}": bucket.dtype for kind in kinds for b, bucket in enumerate(plan.buckets)}
 
 
-def save_flats(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, flats: Mapping[str, list[np.ndarray]],
-               framework: str, step: int, stage: int | None = None, optimizer: OptimizerInfo | None = None,
-               metadata: dict | None = None) -> Manifest:
-    """Save padded flat buckets (``flats[kind][b]`` of ``shard_flat(plan, world_size).padded_length(b)``
-    elements, stored dtypes) as ``world_size`` rank files, written in parallel, manifest last."""
+def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, framework: str, step: int,
+                 flats: Mapping[str, list[np.ndarray]] = {}, arrays: Mapping[str, Sequence[np.ndarray]] = {},
+                 stage: int | None = None, optimizer: OptimizerInfo | None = None,
+                 metadata: dict | None = None) -> Manifest:
+    """Save ``world_size`` rank files from this process, written in parallel, the manifest last.
+
+    Each kind comes as padded flat buckets (``flats[kind][b]`` of ``padded_length(b)`` elements) or
+    as whole arrays in the plan's spec order (``arrays[kind]``), in stored dtypes."""
     shards = shard_flat(plan, world_size)
     for kind, per_bucket in flats.items():
         lengths = [len(f) for f in per_bucket]
@@ -48,9 +78,10 @@ def save_flats(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, fl
         assert lengths == want, f"{kind}: flat lengths {lengths}, the plan pads to {want}"
     begin_save(path)
     with concurrent.futures.ThreadPoolExecutor(min(world_size, 8)) as pool:
-        files = list(pool.map(lambda r: write_shard(path, r, world_size, rank_tensors(plan, world_size, r, flats)),
+        files = list(pool.map(lambda r: write_shard(path, r, world_size,
+                                                    rank_tensors(plan, world_size, r, flats=flats, arrays=arrays)),
                               range(world_size)))
-    manifest = Manifest(framework, world_size, stage, int(step), plan, optimizer, dtypes_of(plan, flats),
+    manifest = Manifest(framework, world_size, stage, int(step), plan, optimizer, dtypes_of(plan, [*flats, *arrays]),
                         tuple(files), dict(metadata or {}))
     commit_save(path, manifest)
     return manifest
@@ -86,18 +117,16 @@ def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, wo
     specs = [TensorSpec(name, tuple(np.shape(a)), canonical_dtype(np.asarray(a).dtype)) for name, a in params.items()]
     plan = plan_buckets(specs) if plan is None else plan
     names = [s.name for s in plan.specs]
-    shards = shard_flat(plan, world_size)
 
-    def flats(arrays: Mapping[str, np.ndarray], kind: str) -> list[np.ndarray]:
-        missing = [n for n in names if n not in arrays]
+    def ordered(values: Mapping[str, np.ndarray], kind: str) -> list[np.ndarray]:
+        missing = [n for n in names if n not in values]
         if missing:
             raise ValueError(f"save_arrays: {kind} lacks {missing}")
-        ordered = [to_storage(arrays[n]) for n in names]
-        return [pack(_stored_plan(plan), b, ordered, length=shards.padded_length(b)) for b in range(plan.num_buckets)]
+        return [to_storage(values[n]) for n in names]
 
-    all_flats = {"params": flats(params, "params"), **{k: flats(v, k) for k, v in slots.items()}}
-    return save_flats(path, plan=plan, world_size=world_size, flats=all_flats, framework=framework, step=step,
-                      stage=stage, optimizer=optimizer, metadata=metadata)
+    arrays = {"params": ordered(params, "params"), **{k: ordered(v, k) for k, v in slots.items()}}
+    return save_sharded(path, plan=plan, world_size=world_size, arrays=arrays, framework=framework, step=step,
+                        stage=stage, optimizer=optimizer, metadata=metadata)
 
 
 def _stored_plan(plan: BucketPlan) -> BucketPlan:

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, pack, shard_flat
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
 from hybrid.jax import ZeroState
 from hybrid.jax._specs import _Layout
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
-from hybrid.checkpoint._write import _stored_plan, save_arrays, save_flats, to_storage
+from hybrid.checkpoint._write import save_arrays, save_sharded, to_storage
 
 _SLOTS = {optax.ScaleByAdamState: ("mu", "nu"), optax.TraceState: ("trace",)}
 _NODES = (ZeroState, optax.ScaleByScheduleState, *_SLOTS)
@@ -126,14 +126,10 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     if world_size not in (None, n):
         raise ValueError(f"save: world_size={world_size}, but the zero state is sharded over {n} devices")
     _check_zero(zero, layout, n)
-    shards = shard_flat(layout.plan, n)
-    stored = [to_storage(a) for a in host_params]
-    flats = {"params": [pack(_stored_plan(layout.plan), b, stored, length=shards.padded_length(b))
-                        for b in range(layout.plan.num_buckets)]}
-    for s in slots:
-        flats[s] = [to_storage(_host(a)) for a in getattr(node, s)]
-    return save_flats(path, plan=layout.plan, world_size=n, flats=flats, framework="jax", step=step,
-                      stage=stage, optimizer=info, metadata=metadata)
+    flats = {s: [to_storage(_host(a)) for a in getattr(node, s)] for s in slots}
+    return save_sharded(path, plan=layout.plan, world_size=n, flats=flats,
+                        arrays={"params": [to_storage(a) for a in host_params]}, framework="jax", step=step,
+                        stage=stage, optimizer=info, metadata=metadata)
 
 
 def _like(value: np.ndarray, old):

@@ -117,36 +117,39 @@ def _save_distributed(path, named, params, slots, count, info, complete, plan, s
         ordered = [arrays[n] for n in names]
         return [pack(stored, b, ordered, length=shards.padded_length(b)) for b in range(plan.num_buckets)]
 
-    all_flats = {"params": flats(params)}
+    all_arrays = {"params": [params[n] for n in names]}
+    all_flats = {}
     for slot, arrays in _fill_slots(named, slots, info).items():
+        if complete:
+            all_arrays[slot] = [arrays[n] for n in names]
+            continue
+        # Each rank holds whole tensors of its own share (zeros elsewhere). Summing slice r over the
+        # ranks onto rank r gives rank r its slice of the whole state, exactly (x + 0 == x): one
+        # reduce per slice moves half the bytes an all-reduce would.
         per_bucket = flats(arrays)
-        if not complete:
-            # Each rank holds whole tensors of its own share (zeros elsewhere). Summing slice r over
-            # the ranks onto rank r gives rank r its slice of the whole state, exactly (x + 0 == x):
-            # one reduce per slice moves half the bytes an all-reduce would.
-            works = []
-            for b, flat in enumerate(per_bucket):
-                t = torch.from_numpy(flat.view(np.int16) if flat.dtype == np.uint16 else flat)
-                if flat.dtype == np.uint16:
-                    t = t.view(torch.bfloat16)
-                for r in range(world_size):
-                    lo, hi = shards.shard_range(b, r)
-                    if hi > lo:
-                        works.append(_collective(path, f"the reduce of {slot} bucket {b} onto rank {r}", dist.reduce,
-                                                 t[lo:hi], dst=dist.get_global_rank(group, r) if group else r,
-                                                 group=group, async_op=True))
-            for w in works:
-                _collective(path, f"the reduces of {slot}", w.wait)
+        works = []
+        for b, flat in enumerate(per_bucket):
+            t = torch.from_numpy(flat.view(np.int16) if flat.dtype == np.uint16 else flat)
+            if flat.dtype == np.uint16:
+                t = t.view(torch.bfloat16)
+            for r in range(world_size):
+                lo, hi = shards.shard_range(b, r)
+                if hi > lo:
+                    works.append(_collective(path, f"the reduce of {slot} bucket {b} onto rank {r}", dist.reduce,
+                                             t[lo:hi], dst=dist.get_global_rank(group, r) if group else r,
+                                             group=group, async_op=True))
+        for w in works:
+            _collective(path, f"the reduces of {slot}", w.wait)
         all_flats[slot] = per_bucket
     if rank == 0:
         begin_save(path)
     _collective(path, "the barrier before writing", dist.barrier, group=group)
-    entry = write_shard(path, rank, world_size, rank_tensors(plan, world_size, rank, all_flats))
+    entry = write_shard(path, rank, world_size, rank_tensors(plan, world_size, rank, flats=all_flats, arrays=all_arrays))
     entries: list = [None] * world_size
     _collective(path, "the all_gather_object of file checksums", dist.all_gather_object, entries, entry, group=group)
     manifest = None
     if rank == 0:
-        manifest = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, all_flats),
+        manifest = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, [*all_arrays, *all_flats]),
                             tuple(entries), dict(metadata or {}))
         commit_save(path, manifest)
     # Nobody returns (and perhaps loads) before the manifest is in place.

@@ -35,7 +35,8 @@ def _worker(rank, port, path, out):
     if rank == 1:
         real = files._write_atomically
 
-        def half_then_die(target, data):
+        def half_then_die(target, chunks):
+            data = b"".join(bytes(c) for c in chunks)
             with open(target.with_name(target.name + ".part"), "wb") as f:
                 f.write(data[: len(data) // 2])
                 f.flush()
