@@ -8,6 +8,7 @@ previous checkpoint as it was.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -166,16 +167,21 @@ class Checkpoint:
     def verify(self, ranks=None) -> None:
         """Check the files of ``ranks`` (default all): present, of the saved size, same SHA-256."""
         entries = {f.rank: f for f in self.manifest.files}
-        for rank in sorted(set(range(self.manifest.world_size) if ranks is None else ranks) - self._verified):
-            entry = entries[rank]
-            file = self.path / entry.name
+        todo = sorted(set(range(self.manifest.world_size) if ranks is None else ranks) - self._verified)
+        for rank in todo:
+            file = self.path / entries[rank].name
             if not file.exists():
                 raise CheckpointError(f"{file}: shard file of rank {rank} is missing")
             size = file.stat().st_size
-            if size != entry.nbytes:
-                raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry.nbytes}: the file is "
+            if size != entries[rank].nbytes:
+                raise CheckpointError(f"{file}: {size} bytes, the manifest says {entries[rank].nbytes}: the file is "
                                       f"truncated or was replaced")
-            if _sha256_of(file) != entry.sha256:
+        # hashlib releases the GIL on large blocks: the files hash in parallel.
+        with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1) or 1) as pool:
+            digests = dict(zip(todo, pool.map(lambda r: _sha256_of(self.path / entries[r].name), todo)))
+        for rank in todo:
+            file = self.path / entries[rank].name
+            if digests[rank] != entries[rank].sha256:
                 raise CheckpointError(f"{file}: SHA-256 differs from the manifest's: the file is corrupt")
             try:
                 keys = set(self._open(rank).keys())
