@@ -140,6 +140,31 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                                      groups=groups)
         return self._partition_cache
 
+    # torch's attributes, with torch's meaning (its tests and Join hooks reach for them).
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        return self._params
+
+    def _partition_parameters(self, params_per_rank: Any = None) -> list[list[dict[str, Any]]]:
+        """Every rank's parameter groups, each with only that rank's parameters (torch's order)."""
+        if params_per_rank is not None:
+            raise NotImplementedError("hybrid's ZeroRedundancyOptimizer plans its partition in "
+                                      "hybrid.core; a manual params_per_rank is not supported")
+        return [self._rank_param_groups(r) for r in range(self.world_size)]
+
+    @property
+    def _param_to_rank(self) -> dict[torch.Tensor, int]:
+        params = self._params
+        return {params[i]: r for r in range(self.world_size) for i in self.partition.owned(r)}
+
+    @property
+    def _param_to_index(self) -> dict[torch.Tensor, int]:
+        return {p: i for i, p in enumerate(self._params)}
+
+    @property
+    def _index_to_param(self) -> list[torch.Tensor]:
+        return self._params
+
     def _check_ranks_agree(self) -> None:
         """Raise ValueError on every rank unless all ranks planned the same partition.
 
@@ -213,12 +238,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # whose all-reduces must not queue behind a broadcast that its sender issues after them.
         ahead = order[:order.index(self.rank)] if closure is None else ()
         handles = self._broadcast_shares(ahead)
-        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        try:
+            loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        except BaseException:
+            # The receives for the shares ahead are posted on this rank: every rank still issues
+            # every broadcast, so the next collective pairs up (else the next step deadlocks).
+            # Owners whose step failed before updating send their parameters unchanged.
+            self._finish_broadcasts(handles, order[len(ahead):])
+            raise
         _sync_param_groups(self.optim.param_groups, self.param_groups)
-        handles += self._broadcast_shares(order[len(ahead):])
+        self._finish_broadcasts(handles, order[len(ahead):])
+        return loss
+
+    def _finish_broadcasts(self, handles: list, ranks) -> None:
+        handles += self._broadcast_shares(ranks)
         for h in handles:
             h.wait()
-        return loss
 
     def _broadcast_shares(self, ranks) -> list:
         """Start the broadcasts of these ranks' shares (each from its owner): one per bucket with
