@@ -8,23 +8,31 @@ bookkeeping is ``hybrid.core._reducer_state``; this module only moves tensors an
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 
 from hybrid.core import BucketPlan, ddp_size_limits, plan_buckets, rebuild_plan
 from hybrid.core._reducer_state import ReducerState, start_iteration
 from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
 from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
+from hybrid.torch._ddp_join import _JoinHook
 from hybrid.torch._reducer import Reducer
 from hybrid.torch import _compile  # torch.compile(ddp) splits graphs at the plan's bucket boundaries
 
 _MB = 1024 * 1024
 _BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
+
+
+def _cap_bytes(mb: float) -> int:
+    """A bucket cap in MB as bytes; a negative cap means unlimited, as in torch (its C++ reads
+    the negative byte count as a huge unsigned size: one bucket per dtype and device)."""
+    return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
 class DistributedDataParallel(Reducer, nn.Module, Joinable):
@@ -118,13 +126,17 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
         self._delaying = False
         self._init_sync_buffers = init_sync_buffers
 
+        # What decides the bucket layout, as the user spelled it: ranks must agree on it.
+        self._layout_settings = {"bucket_cap_mb": bucket_cap_mb, "bucket_cap_mb_list": bucket_cap_mb_list,
+                                 "find_unused_parameters": bool(find_unused_parameters),
+                                 "static_graph": bool(static_graph)}
         if bucket_cap_mb_list:
-            caps = tuple(int(mb * _MB) for mb in bucket_cap_mb_list)
+            caps = tuple(_cap_bytes(mb) for mb in bucket_cap_mb_list)
             self._initial_limits, self._rebuild_limits = ddp_size_limits(
                 bucket_caps_bytes=caps, static_graph=static_graph, find_unused_parameters=find_unused_parameters)
         else:
             self._initial_limits, self._rebuild_limits = ddp_size_limits(
-                bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * _MB),
+                bucket_cap_bytes=None if bucket_cap_mb is None else _cap_bytes(bucket_cap_mb),
                 static_graph=static_graph, find_unused_parameters=find_unused_parameters)
 
         if init_sync:
@@ -185,19 +197,26 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
         if self._world == 1:
             return
         everyone = [None] * self._world
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        ref = everyone[0]
-        for r, theirs in enumerate(everyone):
+        dist.all_gather_object(everyone, (mine, self._layout_settings), group=self.process_group)
+        (ref, ref_settings) = everyone[0]
+        for r, (theirs, settings) in enumerate(everyone):
             if len(theirs) != len(ref):
                 raise RuntimeError(
-                    f"DDP expects same model across all ranks, but Rank {self._rank} has {len(mine)} params, "
-                    f"while rank {r} has inconsistent {len(theirs)} params (rank 0 has {len(ref)}).")
+                    f"DDP expects same model across all ranks, but rank 0 has {len(ref)} params, "
+                    f"while rank {r} has inconsistent {len(theirs)} params.")
             for i, (a, b) in enumerate(zip(ref, theirs)):
                 if a[1:] != b[1:]:
                     raise RuntimeError(
                         f"DDP expects same model across all ranks, but rank {r}'s params[{i}] ({b[0]!r}) "
                         f"has sizes {list(b[1])} and dtype {b[2]}, while rank 0's ({a[0]!r}) has "
                         f"sizes {list(a[1])} and dtype {a[2]}.")
+            for key, value in settings.items():
+                if value != ref_settings[key]:
+                    unit = " (MB)" if key.startswith("bucket_cap") else ""
+                    raise ValueError(
+                        f"DistributedDataParallel: ranks disagree on {key}{unit}: rank 0 has "
+                        f"{ref_settings[key]!r}, rank {r} has {value!r}; the bucket layout depends on it, "
+                        "so pass the same value on every rank.")
 
     def _rebuild(self, ready_order) -> None:
         """Rebuild the plan once from the first iteration's ready order; rank 0's order wins."""
@@ -214,7 +233,10 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
             fps = [torch.zeros_like(fp) for _ in range(self._world)]
             dist.all_gather(fps, fp, group=self.process_group)
             if len({int(f) for f in fps}) != 1:
-                raise RuntimeError(f"ranks disagree on the rebuilt bucket plan: fingerprints {[int(f) for f in fps]}")
+                raise RuntimeError(
+                    f"ranks disagree on the rebuilt bucket plan (fingerprints by rank: {[int(f) for f in fps]}); "
+                    f"this rank has {self._layout_settings}: pass the same bucket_cap_mb, bucket_cap_mb_list, "
+                    "find_unused_parameters and static_graph on every rank")
         self._set_plan(plan)
         self._has_rebuilt = True
 
@@ -372,41 +394,3 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
     @property
     def join_process_group(self):
         return self.process_group
-
-
-class _JoinHook(JoinHook):
-    """Shadows a still-training rank's collectives from a rank that ran out of data."""
-
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
-
-    def main_hook(self):
-        # Same collectives, same order, as one forward + backward of a rank that still steps.
-        ddp = self.ddp
-        ddp._maybe_rebuild()
-        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffers_to_sync:
-            ddp._sync_buffers(rank_cond=False)
-        should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
-        ddp.require_forward_param_sync = should_sync
-        if not should_sync:
-            return
-        if ddp._comm_hook is None:
-            works = [dist.all_reduce(torch.zeros_like(buf), group=ddp.process_group, async_op=True)
-                     for buf in ddp._bufs]
-        else:
-            # torch's _match_all_reduce_for_bwd_pass: the hook runs on zero buckets, so that a
-            # hook whose collectives are not one all-reduce of the bucket (fp16 compression,
-            # PowerSGD, ZeRO2's reduce-scatter) is matched collective for collective.
-            works = [ddp._run_comm_hook(b, torch.zeros_like(buf)) for b, buf in enumerate(ddp._bufs)]
-        for w in works:
-            w.wait()
-        if ddp.find_unused_parameters and not ddp.static_graph:
-            dist.all_reduce(torch.zeros(len(ddp._params), dtype=torch.int32, device=ddp.device),
-                            group=ddp.process_group)
-
-    def post_hook(self, is_last_joiner: bool):
-        # torch's _sync_final_model: the last rank to join holds the final model.
-        ddp = self.ddp
-        src = ddp._find_common_rank(ddp._rank, is_last_joiner)
-        ddp._sync_module_states(src)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -69,6 +71,8 @@ def _find_tensors(obj):
         return [t for o in obj for t in _find_tensors(o)]
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in _find_tensors(o)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # torch's _find_tensors too
+        return [t for f in dataclasses.fields(obj) for t in _find_tensors(getattr(obj, f.name))]
     return []
 
 

@@ -16,6 +16,17 @@ from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
 from hybrid.torch._ddp_parts import GradBucket
 
 
+def _hook_tensor(value, b: int) -> torch.Tensor:
+    """The reduced bucket a comm hook's Future holds: a tensor (or a one-tensor list, what
+    ``work.get_future()`` holds); anything else raises as torch does, naming the bucket."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"Unable to cast {value!r} to Tensor: the Future returned by the "
+                           f"communication hook for bucket {b} must hold the reduced bucket as a tensor")
+    return value
+
+
 class Reducer:
     """Mixed into :class:`hybrid.torch.DistributedDataParallel`, which owns the attributes used."""
 
@@ -23,7 +34,9 @@ class Reducer:
         on_ready = self._on_ready  # bound once, not on every gradient
 
         def hook(param):
-            if self._expect_hooks and self.require_backward_grad_sync:
+            # Decided at forward time, as torch's prepare_for_backward: a forward outside
+            # no_sync() is reduced even when its backward runs inside the block.
+            if self._expect_hooks:
                 on_ready(index, param)
         return hook
 
@@ -140,9 +153,8 @@ class Reducer:
         stream = not state.unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
         for b, fut in enumerate(self._futures):
             value = fut.wait()
-            if isinstance(value, (list, tuple)):
-                value = value[0]
-            if isinstance(value, torch.Tensor) and value.data_ptr() != self._bufs[b].data_ptr():
+            value = _hook_tensor(value, b)
+            if value.data_ptr() != self._bufs[b].data_ptr():
                 self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
             if stream:
                 self._write_back(b, frozenset())

@@ -20,8 +20,10 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
-from hybrid.core import ParamPartition, TensorSpec, canonical_dtype, partition_params, plan_buckets
+from hybrid.core import ParamPartition, partition_params, plan_buckets
 from hybrid.torch._flat import params_into_flat
+from hybrid.torch._zero_parts import (_check_params, _check_same_dense_type, _copy_to_device, _spec,
+                                      _sync_param_groups)
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -29,81 +31,6 @@ logger = logging.getLogger(__name__)
 
 # One flat bucket per (dtype, device) per rank: the per-rank broadcast is one message per bucket.
 _ONE_BUCKET_PER_KEY = (sys.maxsize,)
-
-
-def _spec(index: int, param: torch.Tensor, *, with_device: bool = True) -> TensorSpec:
-    # Names only need to be unique; the global index keeps them stable across ranks.
-    device = str(param.device) if with_device else "cpu"
-    return TensorSpec(f"param{index}", tuple(param.shape), canonical_dtype(param.dtype), device)
-
-
-def _copy_to_device(value: Any, device: torch.device) -> Any:
-    """Copies of every tensor in nested lists, tuples and dicts, moved to ``device``."""
-    if isinstance(value, torch.Tensor):
-        # A copy, never an alias: a loaded state dict must not change when we step.
-        return value.to(device, copy=True)
-    if isinstance(value, (list, tuple)):
-        values = [_copy_to_device(v, device) for v in value]
-        return values if isinstance(value, list) else tuple(values)
-    if isinstance(value, dict):
-        return {k: _copy_to_device(v, device) for k, v in value.items()}
-    return value
-
-
-def _check_params(params: Any) -> tuple[list, list[torch.Tensor]]:
-    """``(params as a list, every parameter)``; raises torch's errors for bad input."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("`params` argument should be an iterable of "
-                        f"Tensors, but got {torch.typename(params)}")
-    try:
-        items = list(params)
-    except TypeError as e:
-        raise TypeError("`params` argument should be an iterable of Tensors"
-                        f" or dicts, but got {torch.typename(params)}") from e
-    if not items:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
-    if all(isinstance(p, torch.Tensor) for p in items):
-        return items, items
-    if not all(isinstance(p, dict) for p in items):
-        raise TypeError("`params` argument should be an iterable of Tensors or dicts")
-    all_params, groups = [], []
-    for group in items:
-        if "params" not in group:
-            raise ValueError("Each parameter group passed-in via `params` must "
-                             "have a 'params' key mapping to the parameters in the group")
-        group_params = group["params"]
-        if isinstance(group_params, torch.Tensor):
-            group_params = [group_params]
-        elif not isinstance(group_params, set):  # a set is left for torch's TypeError
-            # Materialise generators (``model.parameters()``): read twice, they would be empty
-            # the second time (torch's own ZeroRedundancyOptimizer drops such a group's params).
-            group_params = list(group_params)
-            group = {**group, "params": group_params}
-        all_params.extend(group_params)
-        groups.append(group)
-    return groups, all_params
-
-
-def _check_same_dense_type(params: list[torch.Tensor]) -> None:
-    # torch.typename covers dtype and layout ("torch.FloatTensor", "torch.sparse.FloatTensor").
-    typename = torch.typename(params[0])
-    if params[0].is_sparse:
-        raise ValueError("ZeroRedundancyOptimizer only supports using "
-                         f"the same dense type for all parameters but got {typename}")
-    for p in params[1:]:
-        other = torch.typename(p)
-        if other != typename:
-            raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type for "
-                             f"all parameters but got both {typename} and {other}")
-
-
-def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
-    """Copy hyperparameters (everything but ``params``) group by group, as torch does."""
-    assert len(src) == len(dst), "mismatch between number of source and destination parameter groups"
-    for s, d in zip(src, dst):
-        for key, value in s.items():
-            if key != "params":
-                d[key] = value
 
 
 class _ZeroJoinHook(JoinHook):
@@ -213,6 +140,31 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                                      groups=groups)
         return self._partition_cache
 
+    # torch's attributes, with torch's meaning (its tests and Join hooks reach for them).
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        return self._params
+
+    def _partition_parameters(self, params_per_rank: Any = None) -> list[list[dict[str, Any]]]:
+        """Every rank's parameter groups, each with only that rank's parameters (torch's order)."""
+        if params_per_rank is not None:
+            raise NotImplementedError("hybrid's ZeroRedundancyOptimizer plans its partition in "
+                                      "hybrid.core; a manual params_per_rank is not supported")
+        return [self._rank_param_groups(r) for r in range(self.world_size)]
+
+    @property
+    def _param_to_rank(self) -> dict[torch.Tensor, int]:
+        params = self._params
+        return {params[i]: r for r in range(self.world_size) for i in self.partition.owned(r)}
+
+    @property
+    def _param_to_index(self) -> dict[torch.Tensor, int]:
+        return {p: i for i, p in enumerate(self._params)}
+
+    @property
+    def _index_to_param(self) -> list[torch.Tensor]:
+        return self._params
+
     def _check_ranks_agree(self) -> None:
         """Raise ValueError on every rank unless all ranks planned the same partition.
 
@@ -286,12 +238,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # whose all-reduces must not queue behind a broadcast that its sender issues after them.
         ahead = order[:order.index(self.rank)] if closure is None else ()
         handles = self._broadcast_shares(ahead)
-        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        try:
+            loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        except BaseException:
+            # The receives for the shares ahead are posted on this rank: every rank still issues
+            # every broadcast, so the next collective pairs up (else the next step deadlocks).
+            # Owners whose step failed before updating send their parameters unchanged.
+            self._finish_broadcasts(handles, order[len(ahead):])
+            raise
         _sync_param_groups(self.optim.param_groups, self.param_groups)
-        handles += self._broadcast_shares(order[len(ahead):])
+        self._finish_broadcasts(handles, order[len(ahead):])
+        return loss
+
+    def _finish_broadcasts(self, handles: list, ranks) -> None:
+        handles += self._broadcast_shares(ranks)
         for h in handles:
             h.wait()
-        return loss
 
     def _broadcast_shares(self, ranks) -> list:
         """Start the broadcasts of these ranks' shares (each from its owner): one per bucket with

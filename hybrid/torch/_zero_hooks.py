@@ -5,9 +5,14 @@
 :func:`hybrid.core.assign_buckets` gives it, right after their reduction, and sends them to the
 other ranks. Differences from torch:
 
-* no skipped iterations: the assignment is computed from the DDP's current bucket plan on the
-  first backward, so the very first iteration already updates (torch skips two or three). When
-  DDP rebuilds its buckets, the optimizer state moves to the new owners once;
+* skipped iterations as torch's, by default: the first two backward passes (three with
+  ``static_graph``) update nothing, so scripts that feed dummy batches there (torch's docs say
+  to) end with the same parameters. ``update_from_first_iteration=True`` updates from the first
+  backward on: the assignment is then computed from the DDP's current bucket plan, and when DDP
+  rebuilds its buckets the optimizer state moves to the new owners once;
+* a local step that raises (on any or every rank) still lets every broadcast go out, with the
+  parameters of that rank unchanged, and reaches the caller from ``backward()``; the next
+  iteration works;
 * gloo works: the interleaved variant runs its steps on one helper thread, bucket by bucket in
   order, and broadcasts on a process group of its own, so every rank issues the same collectives
   in the same order (torch refuses gloo because its callbacks may not);
@@ -39,7 +44,7 @@ class _Overlap:
     """Per-(DDP, ZeRO) runtime: the assignment for the current plan, local optimizers, broadcasts."""
 
     def __init__(self, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_buckets: bool,
-                 *, own_group: bool):
+                 *, own_group: bool, update_from_first_iteration: bool):
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"ddp must be a hybrid.torch.DistributedDataParallel, got {type(ddp).__name__}")
         if not isinstance(zero, ZeroRedundancyOptimizer):
@@ -66,6 +71,11 @@ class _Overlap:
         self.optims: dict[int, torch.optim.Optimizer] = {}  # bucket -> optimizer over my slice
         self.flats: list[torch.Tensor] = []  # per bucket: the parameters' storage (params are views)
         self.pending: list = []  # the broadcasts of this iteration
+        # torch's hooks wait for DDP's bucket rebuild and one more iteration to collect bucket
+        # information: iterations 1 and 2 (3 with static_graph) only reduce.
+        self.skip = 0 if update_from_first_iteration else (3 if ddp.static_graph else 2)
+        self.iterations = 0  # backward passes the hook has finished
+        self.failure: BaseException | None = None  # a local step of this iteration raised
         zero._overlap_runtime = self  # where the optimizer state lives now (inspection, benchmarks)
 
     # -- assignment -----------------------------------------------------------------------------
@@ -124,6 +134,32 @@ class _Overlap:
 
     # -- one bucket -----------------------------------------------------------------------------
 
+    def skipping(self, bucket: GradBucket) -> bool:
+        """Whether this iteration only reduces (torch's first iterations); counts iterations."""
+        if self.iterations >= self.skip:
+            return False
+        if bucket.is_last():
+            self.iterations += 1
+        return True
+
+    def step_and_broadcast(self, bucket: GradBucket, value: Any) -> None:
+        """My slice's update, then every owner's broadcast of ``bucket``. After a local step of
+        this iteration raised, no more updates, but every broadcast still goes out (the other
+        ranks post them): the collectives stay paired and the next iteration works."""
+        if self.failure is None:
+            try:
+                self.local_step(bucket, value)
+            except BaseException as e:  # noqa: BLE001 - re-raised once the broadcasts are out
+                self.failure = e
+        self.broadcast(bucket)
+        if bucket.is_last():
+            self.iterations += 1
+            self.finish()
+
+    def take_failure(self) -> BaseException | None:
+        failure, self.failure = self.failure, None
+        return failure
+
     def local_step(self, bucket: GradBucket, value: Any) -> None:
         """Update my slice of ``bucket`` from its reduced gradients (the hook's result ``value``)."""
         sub = self.assignment.subset(self.rank, bucket.index())
@@ -168,14 +204,14 @@ class _Overlap:
 
 
 def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
-                        shard_buckets: bool = False) -> Hook:
+                        shard_buckets: bool = False, *, update_from_first_iteration: bool = False) -> Hook:
     """``hook``, plus the ZeRO step of every bucket once the last bucket has been reduced.
 
     torch's ``hook_with_zero_step``: backward computation runs uninterrupted; when DDP launches
     the last bucket, each rank waits for the reductions of its buckets, steps its share and
     broadcasts it. ``zero`` is a :class:`hybrid.torch.ZeroRedundancyOptimizer` built with
-    ``overlap_with_ddp=True`` (its ``step()`` then does nothing). Updates start with the first
-    iteration.
+    ``overlap_with_ddp=True`` (its ``step()`` then does nothing). As torch's, the first two
+    backward passes (three with ``static_graph``) update nothing.
 
     Args:
       hook: the comm hook doing the reduction, e.g. torch's ``allreduce_hook``.
@@ -183,6 +219,8 @@ def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedu
       zero: the optimizer.
       shard_buckets: split buckets over ranks (``assign_buckets(..., shard_buckets=True)``)
         instead of giving each bucket whole to one rank.
+      update_from_first_iteration: update from the first backward on (no skipped iterations;
+        not torch's behaviour).
 
     >>> import torch, torch.distributed as dist
     >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -192,16 +230,24 @@ def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedu
     >>> zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.5)
     >>> ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
     >>> before = ddp.module.bias.detach().clone()
+    >>> for _ in range(2):                              # torch's two skipped iterations
+    ...     ddp(torch.ones(3, 4)).sum().backward()
+    ...     zero.zero_grad()
+    >>> torch.equal(before, ddp.module.bias)
+    True
     >>> ddp(torch.ones(3, 4)).sum().backward()         # the step happens inside backward
     >>> (before - ddp.module.bias).tolist()             # lr * gradient (3 rows of ones)
     [1.5, 1.5]
     >>> dist.destroy_process_group()
     """
-    overlap = _Overlap(ddp, zero, shard_buckets, own_group=False)
+    overlap = _Overlap(ddp, zero, shard_buckets, own_group=False,
+                       update_from_first_iteration=update_from_first_iteration)
     futures: dict[int, tuple[torch.futures.Future, GradBucket]] = {}
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future:
         fut = hook(state, bucket)
+        if overlap.skipping(bucket):
+            return fut
         if bucket.index() == 0:
             overlap.ensure_plan()
             futures.clear()
@@ -210,16 +256,21 @@ def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedu
             return fut
         for b in range(len(futures)):
             f, bkt = futures[b]
-            overlap.local_step(bkt, f.wait())
-            overlap.broadcast(bkt)
-        overlap.finish()
+            overlap.step_and_broadcast(bkt, f.wait())
         futures.clear()
+        failure = overlap.take_failure()
+        if failure is not None:
+            # Raised from backward() by DDP's finalizer, once every bucket has been launched.
+            failed = torch.futures.Future()
+            failed.set_exception(failure)
+            return failed
         return fut
     return hook_with_zero_fn
 
 
 def hook_with_zero_step_interleaved(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
-                                    shard_buckets: bool = False) -> Hook:
+                                    shard_buckets: bool = False, *,
+                                    update_from_first_iteration: bool = False) -> Hook:
     """``hook``, plus each bucket's ZeRO step as soon as that bucket is reduced.
 
     torch's ``hook_with_zero_step_interleaved``: steps and broadcasts interleave with the rest of
@@ -232,34 +283,46 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: DistributedDataParallel, ze
     >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     >>> ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
     >>> zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.5)
-    >>> ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    >>> hook = hook_with_zero_step_interleaved(allreduce_hook, ddp, zero, update_from_first_iteration=True)
+    >>> ddp.register_comm_hook(None, hook)
     >>> before = ddp.module.bias.detach().clone()
-    >>> ddp(torch.ones(3, 4)).sum().backward()
+    >>> ddp(torch.ones(3, 4)).sum().backward()          # no skipped iterations: opted in
     >>> (before - ddp.module.bias).tolist()
     [1.5, 1.5]
     >>> dist.destroy_process_group()
     """
-    overlap = _Overlap(ddp, zero, shard_buckets, own_group=True)
+    overlap = _Overlap(ddp, zero, shard_buckets, own_group=True,
+                       update_from_first_iteration=update_from_first_iteration)
     # One worker: buckets are stepped and broadcast strictly in bucket order on every rank.
     worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybrid-zero-step")
+    last: list = [None]  # the previous bucket's task
 
     def hook_with_zero_interleaved_fn(state: Any, bucket: GradBucket) -> torch.futures.Future:
         fut = hook(state, bucket)
+        if overlap.skipping(bucket):
+            return fut
         if bucket.index() == 0:
+            if last[0] is not None:
+                # A failed iteration's backward returned at its first failed bucket; its later
+                # buckets' broadcasts finish before this iteration's plan is looked at.
+                last[0].result()
             overlap.ensure_plan()
         out = torch.futures.Future()
 
         def zero_step():
             try:
                 value = fut.wait()
-                overlap.local_step(bucket, value)
-                overlap.broadcast(bucket)
+                overlap.step_and_broadcast(bucket, value)
+                failure = overlap.failure
                 if bucket.is_last():
-                    overlap.finish()
+                    overlap.take_failure()
             except BaseException as e:  # noqa: BLE001 - handed to DDP, which waits on the Future
                 out.set_exception(e)
             else:
-                out.set_result(value)
-        worker.submit(zero_step)
+                if failure is not None:
+                    out.set_exception(failure)
+                else:
+                    out.set_result(value)
+        last[0] = worker.submit(zero_step)
         return out
     return hook_with_zero_interleaved_fn

@@ -7,7 +7,9 @@ Every case runs torch's DDP and hybrid's DDP one after the other in the SAME wor
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import datetime
 import os
 import time
@@ -75,7 +77,32 @@ class Mixed(nn.Module):
         return self.c(torch.relu(self.b(h)).float())
 
 
-MODELS = {"mlp": MLP, "conv_bn": ConvBN, "unused": Unused, "mixed": Mixed,
+@dataclasses.dataclass
+class Out:
+    main: torch.Tensor
+    extras: dict
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+class Structured(Unused):
+    """Returns a dataclass holding a dict of lists of namedtuples (torch's _find_tensors walks
+    them all); ``never`` is unused, ``sometimes`` is used on rank 0 only."""
+
+    def forward(self, x, use_extra=False):
+        h = torch.relu(self.a(x))
+        side = self.sometimes(h).sum(1, keepdim=True) if use_extra else torch.zeros(len(x), 1)
+        return Out(self.b(h), {"aux": [Pair(side, h.detach())]})
+
+
+def _loss(out, y):
+    if isinstance(out, Out):
+        return ((out.main - y) ** 2).mean() + 0.1 * out.extras["aux"][0].left.mean()
+    return ((out - y) ** 2).mean()
+
+
+MODELS = {"mlp": MLP, "structured": Structured, "conv_bn": ConvBN, "unused": Unused, "mixed": Mixed,
           "wide": lambda: MLP(width=64, depth=5),
           # 300 x 300 weights: above DistributedDataParallel._FUSED_SCALE_NUMEL, so gradients
           # are scaled while copied; biases and the small layers take the per-bucket path.
@@ -119,6 +146,7 @@ CASES = {
     "membership": ("wide", {"bucket_cap_mb": 0.004}, {"hook": "record"}),
     "membership_default_caps": ("wide", {}, {"hook": "record"}),
     "find_unused": ("unused", {"find_unused_parameters": True}, {}),
+    "find_unused_dataclass": ("structured", {"find_unused_parameters": True}, {}),
     "find_unused_view": ("unused", {"find_unused_parameters": True, "gradient_as_bucket_view": True}, {}),
     "static_graph": ("mlp", {"static_graph": True}, {}),
     "static_graph_unused": ("unused", {"static_graph": True}, {}),
@@ -126,6 +154,11 @@ CASES = {
                                    "bucket_cap_mb": 0.004}, {}),
     "no_sync": ("mlp", {}, {"accumulate": 2}),
     "no_sync_view": ("mlp", {"gradient_as_bucket_view": True}, {"accumulate": 2}),
+    # torch decides at forward time: a forward outside no_sync() is reduced even when its
+    # backward runs inside the block.
+    "no_sync_backward_inside": ("mlp", {}, {"accumulate": 2, "backward_in_no_sync": True}),
+    # A negative cap is unlimited in torch: one bucket.
+    "negative_cap": ("wide", {"bucket_cap_mb": -1}, {"hook": "record"}),
     "no_buffer_sync": ("conv_bn", {"broadcast_buffers": False}, {}),
     **{f"hook_{h}": ("wide", {"bucket_cap_mb": 0.01}, {"hook": h}) for h in HOOKS if "power" not in h},
     # PowerSGD chains collectives in Future callbacks that run on gloo's threads; with several
@@ -168,7 +201,7 @@ def _train(ddp_cls, model, kwargs, opts, rank, world, model_name):
         ddp.register_comm_hook(hook_state, hook_fn)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     steps = STEPS + rank if opts.get("uneven") else STEPS
-    fwd_kwargs = {"use_extra": rank == 0} if model_name == "unused" else {}
+    fwd_kwargs = {"use_extra": rank == 0} if model_name in ("unused", "structured") else {}
     ctx = (ddp.join(divide_by_initial_world_size=opts.get("divide_by_initial_world_size", True))
            if opts.get("uneven") else _nullcontext())
     with ctx:
@@ -178,9 +211,13 @@ def _train(ddp_cls, model, kwargs, opts, rank, world, model_name):
                 x, y = _data(rank, 10 * step + micro, model_name)
                 if micro < accumulate - 1:
                     with ddp.no_sync():
-                        ((ddp(x, **fwd_kwargs) - y) ** 2).mean().backward()
+                        _loss(ddp(x, **fwd_kwargs), y).backward()
+                elif opts.get("backward_in_no_sync"):
+                    loss = _loss(ddp(x, **fwd_kwargs), y)
+                    with ddp.no_sync():
+                        loss.backward()
                 else:
-                    ((ddp(x, **fwd_kwargs) - y) ** 2).mean().backward()
+                    _loss(ddp(x, **fwd_kwargs), y).backward()
             grads_none = [p.grad is None for p in ddp.module.parameters()]
             opt.step()
             opt.zero_grad()
@@ -296,6 +333,22 @@ def errors_worker(rank, world, port, outdir):
         d.register_comm_hook(None, lambda state, bucket: bucket.buffer())
         d(_data(rank, 0, "mlp")[0]).sum().backward()
     res["no_future"] = _expect(no_future)
+    # A comm hook whose Future holds no tensor: torch raises "Unable to cast ... to Tensor".
+    for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+        for kind, value in (("int", 3), ("dict", {"a": 1})):
+            def bad_value(cls=cls, value=value):
+                d = cls(MLP())
+
+                def hook(state, bucket):
+                    fut = torch.futures.Future()
+                    fut.set_result(value)
+                    return fut
+                d.register_comm_hook(None, hook)
+                d(_data(rank, 0, "mlp")[0]).sum().backward()
+            res[f"bad_future_{kind}_{label}"] = _expect(bad_value)
+            dist.barrier()
+    # Per-rank bucket caps that differ: named, with both values, in MB.
+    res["cap_differs"] = _expect(lambda: HybridDDP(MLP(), bucket_cap_mb=1 if rank == 0 else 25))
     res["unsupported"] = _expect(lambda: HybridDDP(MLP(), mixed_precision=object()))
     res["unsupported_skip"] = _expect(lambda: HybridDDP(MLP(), skip_all_reduce_unused_params=True))
     res["unsupported_sparse"] = _expect(lambda: HybridDDP(nn.Sequential(nn.Embedding(10, 4, sparse=True))))

@@ -85,7 +85,7 @@ def test_ranks_agree(parity, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("case", ["membership", "membership_default_caps"])
+@pytest.mark.parametrize("case", ["membership", "membership_default_caps", "negative_cap"])
 def test_bucket_membership_matches_torch_reducer_after_rebuild(parity, world, case):
     for res in parity[world]:
         out = res[case]
@@ -93,6 +93,8 @@ def test_bucket_membership_matches_torch_reducer_after_rebuild(parity, world, ca
         assert len(out["torch"]["membership"]) >= 1
         assert out["hybrid"]["membership"] == out["torch"]["membership"]
         assert out["hybrid"]["plan"] == out["torch"]["membership"]
+    if case == "negative_cap":
+        assert len(parity[world][0][case]["torch"]["membership"]) == 1  # unlimited: one bucket
     if case == "membership":
         assert len(parity[world][0][case]["torch"]["membership"]) > 3  # really many buckets
 
@@ -143,6 +145,11 @@ def errors():
     ("not_callable", "TypeError", "Communication hook must be callable"),
     ("twice", "RuntimeError", "can only be called once"),
     ("no_future", "RuntimeError", "must return a torch.futures.Future"),
+    ("bad_future_int_torch", "RuntimeError", "Unable to cast 3 to Tensor"),
+    ("bad_future_int_hybrid", "RuntimeError", "Unable to cast 3 to Tensor.*bucket 0"),
+    ("bad_future_dict_torch", "RuntimeError", "Unable to cast {'a': 1} to Tensor"),
+    ("bad_future_dict_hybrid", "RuntimeError", "Unable to cast {'a': 1} to Tensor.*bucket 0"),
+    ("cap_differs", "ValueError", "bucket_cap_mb \\(MB\\): rank 0 has 1, rank 1 has 25"),
     ("unsupported", "NotImplementedError", "mixed_precision"),
     ("unsupported_skip", "NotImplementedError", "skip_all_reduce_unused_params"),
     ("unsupported_sparse", "NotImplementedError", "sparse gradients"),
@@ -167,6 +174,12 @@ def test_static_graph_param_used_then_unused_raises_like_torch(errors):
         # torch's first two lines (the reason, the indices 4 5 of sometimes.weight/bias), verbatim.
         assert ours[1].splitlines()[:2] == ref[1].splitlines()[:2], (ours[1], ref[1])
         assert ref[1].splitlines()[1].endswith(": 4 5")
+
+
+def test_count_error_names_both_ranks(errors):
+    # rank 0 has 6 parameters, rank 1 has 8: both ranks say so (it said "rank 1 ... rank 1").
+    for res in errors:
+        assert "rank 0 has 6 params, while rank 1 has inconsistent 8 params" in res["count"][1], res["count"]
 
 
 def test_unused_error_names_the_parameters(errors):

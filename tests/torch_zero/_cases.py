@@ -174,6 +174,64 @@ def ownership(rank, world_size):
             assert ours.partition.world_size == world_size
 
 
+def torch_attributes(rank, world_size):
+    """The attributes torch's tests and Join hooks reach for, with torch's values."""
+    del rank
+    for split in (None, 4):
+        params = list(make_model().parameters())
+        arg = params if split is None else [{"params": params[:split]}, {"params": params[split:], "lr": 0.2}]
+        ours = ZeroRedundancyOptimizer(arg, torch.optim.SGD, lr=0.1)
+        theirs = TorchZero(arg, torch.optim.SGD, lr=0.1)
+        assert ours._all_params == theirs._all_params
+        assert ours._param_to_rank == theirs._param_to_rank
+        assert ours._param_to_index == theirs._param_to_index
+        assert ours._index_to_param == theirs._index_to_param
+        mine, ref = ours._partition_parameters(), theirs._partition_parameters()
+        assert len(mine) == len(ref) == world_size
+        for a, b in zip(mine, ref):
+            assert [[id(p) for p in g["params"]] for g in a] == [[id(p) for p in g["params"]] for g in b]
+            assert [g["lr"] for g in a] == [g["lr"] for g in b]
+
+
+class FailingAdam(torch.optim.Adam):
+    """Adam whose ``step`` raises before touching anything while ``FAIL`` is set (a NaN guard)."""
+
+    FAIL = False
+
+    def step(self, *args, **kwargs):
+        if FailingAdam.FAIL:
+            raise FloatingPointError("nan guard")
+        return super().step(*args, **kwargs)
+
+
+def failed_step(rank, world_size, *, bucket_view):
+    """A step that raises on every rank leaves the parameters as they were, and the next step
+    works: torch's ZeroRedundancyOptimizer beside ours, in the same processes."""
+    base = make_model()
+    models = {k: copy.deepcopy(base) for k in ("hybrid", "torch")}
+    ddps = {k: DDP(m) for k, m in models.items()}
+    opts = {"hybrid": ZeroRedundancyOptimizer(models["hybrid"].parameters(), FailingAdam,
+                                              parameters_as_bucket_view=bucket_view, lr=0.01),
+            "torch": TorchZero(models["torch"].parameters(), FailingAdam,
+                               parameters_as_bucket_view=bucket_view, lr=0.01)}
+    for step in range(4):
+        FailingAdam.FAIL = step in (1, 2)
+        try:
+            for k in models:
+                before = [p.detach().clone() for p in models[k].parameters()]
+                try:
+                    train_step(ddps[k], opts[k], batch(rank, step))
+                except FloatingPointError:
+                    assert FailingAdam.FAIL, f"{k}: raised without a failure"
+                    for p, q in zip(models[k].parameters(), before):
+                        assert torch.equal(p.detach(), q), f"{k}: a failed step moved a parameter"
+                else:
+                    assert not FailingAdam.FAIL, f"{k}: the failing step did not raise"
+        finally:
+            FailingAdam.FAIL = False
+        assert_params(models["hybrid"], models["torch"], f"step {step} vs torch ZeRO", exact=True)
+
+
 def add_param_group(rank, world_size, *, bucket_view):
     base = make_model()
     models = {k: copy.deepcopy(base) for k in ("hybrid", "torch", "plain")}
@@ -452,6 +510,7 @@ def _table() -> dict:
     for bucket_view in (False, True):
         cases[f"parity-adam-flip_requires_grad-bv{int(bucket_view)}"] = functools.partial(
             parity, optim="adam", flip=True, bucket_view=bucket_view, steps=5)
+        cases[f"failed_step-bv{int(bucket_view)}"] = functools.partial(failed_step, bucket_view=bucket_view)
         cases[f"add_param_group-bv{int(bucket_view)}"] = functools.partial(add_param_group, bucket_view=bucket_view)
         cases[f"lr_scheduler-bv{int(bucket_view)}"] = functools.partial(lr_scheduler, bucket_view=bucket_view)
         for optim in OPTIMIZERS:
@@ -465,6 +524,7 @@ def _table() -> dict:
                                                           maximize=True)
     cases["parity-sgd_momentum-closure"] = functools.partial(parity, optim="sgd_momentum", closure=True)
     cases["ownership"] = ownership
+    cases["torch_attributes"] = torch_attributes
     cases["ranks_disagree"] = ranks_disagree
     cases["step_kwargs"] = step_kwargs
     return cases

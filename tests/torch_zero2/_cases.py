@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from hybrid.torch import (DistributedDataParallel, ZeroRedundancyOptimizer, hook_with_zero_step,
+from hybrid.torch import (DistributedDataParallel, ZeroRedundancyOptimizer, ZeRO2, hook_with_zero_step,
                           hook_with_zero_step_interleaved)
-from tests.torch_zero._cases import OPTIMIZERS, batch, make_model
+from tests.torch_zero._cases import OPTIMIZERS, FailingAdam, batch, make_model
 from tests.torch_zero2._clip_cases import CLIP_CASES
 from tests.torch_zero2._pair import ATOL, DDP_OPTIONS, NUM_STEPS, RTOL, Pair
 
@@ -212,34 +212,88 @@ OVERLAP_DDP_OPTIONS = {False: ("default", "bucket_view", "static_graph", "three_
                        True: ("default", "two_buckets", "three_buckets_view", "three_buckets_static", "four_buckets")}
 
 
-def overlap(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: str, optim: str = "adam") -> None:
-    """Parameters after every backward equal DDP + optimizer.step(), from the first iteration on.
+def torch_skips(ddp: str) -> int:
+    """Backward passes torch's overlap hooks run without updating: 2, or 3 with static_graph."""
+    return 3 if DDP_OPTIONS[ddp].get("static_graph") else 2
 
-    (torch's own hooks skip the first two or three updates and refuse gloo.)
-    """
+
+def overlap(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: str, optim: str = "adam",
+            first: bool = False) -> None:
+    """Parameters after every backward equal DDP + optimizer.step(), torch's skipped iterations
+    (a script feeding dummy batches there) included; ``first``: updates from the first iteration
+    on (``update_from_first_iteration=True``). (torch's own hooks refuse gloo.)"""
     cls, kwargs = OPTIMIZERS[optim]
     base = make_model()
     model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
     ddp_module = DistributedDataParallel(model, **DDP_OPTIONS[ddp])
     ref_ddp = TorchDDP(ref_model, **DDP_OPTIONS[ddp])
     zero = ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **kwargs)
-    ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero, shard_buckets=shard_buckets))
+    ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero, shard_buckets=shard_buckets,
+                                                    update_from_first_iteration=first))
     ref_opt = cls(ref_model.parameters(), **kwargs)
+    skip = 0 if first else torch_skips(ddp)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model)
+        _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model, skip=skip, steps=skip + 2)
     fell_back = any("assigned with shard_buckets=False" in str(w.message) for w in caught)
-    # The one-bucket plans cut into too many runs at world sizes 2 and 3 (see OVERLAP_DDP_OPTIONS).
-    assert fell_back == (shard_buckets and world_size > 1 and ddp in ("default", "two_buckets")), fell_back
+    # The one-bucket plans cut into too many runs at world sizes 2 and 3 (see OVERLAP_DDP_OPTIONS);
+    # after torch's skipped iterations the hook first plans on DDP's rebuilt buckets.
+    if first:
+        assert fell_back == (shard_buckets and world_size > 1 and ddp in ("default", "two_buckets")), fell_back
+    else:
+        assert not fell_back or (shard_buckets and world_size > 1), fell_back
 
 
-def _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model):
-    for step in range(NUM_STEPS):
+def _overlap_steps(rank, ddp_module, ref_ddp, zero, ref_opt, model, ref_model, *, skip=0, steps=NUM_STEPS):
+    for step in range(steps):
         x = batch(rank, step)
         ddp_module(x).pow(2).mean().backward()  # the step runs inside
         ref_ddp(x).pow(2).mean().backward()
-        ref_opt.step()
+        if step >= skip:
+            ref_opt.step()
         zero.zero_grad()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"step {step}: {name}")
+
+
+def failed_step(rank: int, world_size: int, *, mode: str) -> None:
+    """A local step that raises on every rank: the parameters stay as they were, the error
+    reaches the caller, and the next iterations match DDP + Adam that skipped that step.
+    ``mode``: ZeRO2, or an overlap hook with torch's two skipped iterations."""
+    base = make_model()
+    model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
+    ddp_module = DistributedDataParallel(model)
+    ref_ddp, ref_opt = TorchDDP(ref_model), torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    if mode == "zero2":
+        opt, skip = ZeRO2(ddp_module, FailingAdam, lr=0.01), 0
+    else:
+        opt = ZeroRedundancyOptimizer(model.parameters(), FailingAdam, overlap_with_ddp=True, lr=0.01)
+        ddp_module.register_comm_hook(None, HOOKS[mode](allreduce_hook, ddp_module, opt))
+        skip = 2
+    fails = (skip + 1, skip + 2)
+    for step in range(skip + 5):
+        x = batch(rank, step)
+        before = [p.detach().clone() for p in model.parameters()]
+        FailingAdam.FAIL = step in fails
+        try:
+            ddp_module(x).pow(2).mean().backward()  # overlap: the step runs inside
+            if mode == "zero2":
+                opt.step()
+        except FloatingPointError as e:
+            assert step in fails and "nan guard" in str(e), (step, e)
+            for (name, p), q in zip(model.named_parameters(), before):
+                assert torch.equal(p.detach(), q), f"step {step}: a failed step moved {name}"
+        else:
+            # With the overlap hooks a rank that owns no bucket slice runs no local step.
+            owns = mode == "zero2" or bool(opt._overlap_runtime.optims)
+            assert step not in fails or not owns, f"step {step}: the failing step did not raise"
+        finally:
+            FailingAdam.FAIL = False
+        ref_ddp(x).pow(2).mean().backward()
+        if step >= skip and step not in fails:
+            ref_opt.step()
+        opt.zero_grad()
         ref_opt.zero_grad()
         for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"step {step}: {name}")
@@ -255,7 +309,7 @@ def overlap_state_dicts(rank: int, world_size: int, *, hook: str, shard_buckets:
         ddp_module = DistributedDataParallel(model, **DDP_OPTIONS[ddp])
         zero = ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **kwargs)
         ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero,
-                                                        shard_buckets=shard_buckets))
+                                                        shard_buckets=shard_buckets, update_from_first_iteration=True))
         return ddp_module, zero
 
     base = make_model()
@@ -297,7 +351,8 @@ def overlap_join(rank: int, world_size: int, *, hook: str, shard_buckets: bool, 
     model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
     ddp_module = DistributedDataParallel(model, **DDP_OPTIONS[ddp])
     zero = ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **kwargs)
-    ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero, shard_buckets=shard_buckets))
+    ddp_module.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp_module, zero, shard_buckets=shard_buckets,
+                                                    update_from_first_iteration=True))
     ref_ddp, ref_opt = TorchDDP(ref_model, **DDP_OPTIONS[ddp]), cls(ref_model.parameters(), **kwargs)
     steps = NUM_STEPS + rank
     with warnings.catch_warnings():
@@ -330,6 +385,11 @@ CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}]":
               for h in HOOKS for s in (False, True) for d in OVERLAP_DDP_OPTIONS[s]})
 CASES.update({f"overlap[{h}-whole-two_buckets-sgd_momentum]": functools.partial(
     overlap, hook=h, shard_buckets=False, ddp="two_buckets", optim="sgd_momentum") for h in HOOKS})
+CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}-first]": functools.partial(
+    overlap, hook=h, shard_buckets=s, ddp=d, first=True)
+    for h, s, d in (("step", False, "default"), ("interleaved", False, "static_graph"),
+                    ("step", True, "default"), ("interleaved", True, "three_buckets_view"))})
+CASES.update({f"failed_step[{m}]": functools.partial(failed_step, mode=m) for m in ("zero2", *HOOKS)})
 CASES["overlap_step_is_a_no_op"] = overlap_step_is_a_no_op
 CASES.update({f"overlap_join[{h}-{'shard' if s else 'whole'}-{d}]": functools.partial(
     overlap_join, hook=h, shard_buckets=s, ddp=d)

@@ -1,0 +1,45 @@
+"""The Join hook of hybrid's DDP: a rank that ran out of inputs shadows the others' collectives."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+
+class _JoinHook(JoinHook):
+    """Shadows a still-training rank's collectives from a rank that ran out of data."""
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self):
+        # Same collectives, same order, as one forward + backward of a rank that still steps.
+        ddp = self.ddp
+        ddp._maybe_rebuild()
+        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffers_to_sync:
+            ddp._sync_buffers(rank_cond=False)
+        should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
+        ddp.require_forward_param_sync = should_sync
+        if not should_sync:
+            return
+        if ddp._comm_hook is None:
+            works = [dist.all_reduce(torch.zeros_like(buf), group=ddp.process_group, async_op=True)
+                     for buf in ddp._bufs]
+        else:
+            # torch's _match_all_reduce_for_bwd_pass: the hook runs on zero buckets, so that a
+            # hook whose collectives are not one all-reduce of the bucket (fp16 compression,
+            # PowerSGD, ZeRO2's reduce-scatter) is matched collective for collective.
+            works = [ddp._run_comm_hook(b, torch.zeros_like(buf)) for b, buf in enumerate(ddp._bufs)]
+        for w in works:
+            w.wait()
+        if ddp.find_unused_parameters and not ddp.static_graph:
+            dist.all_reduce(torch.zeros(len(ddp._params), dtype=torch.int32, device=ddp.device),
+                            group=ddp.process_group)
+
+    def post_hook(self, is_last_joiner: bool):
+        # torch's _sync_final_model: the last rank to join holds the final model.
+        ddp = self.ddp
+        src = ddp._find_common_rank(ddp._rank, is_last_joiner)
+        ddp._sync_module_states(src)

@@ -1,0 +1,84 @@
+"""The small pieces of hybrid's ZeroRedundancyOptimizer: input checks, specs, copies, group sync."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybrid.core import TensorSpec, canonical_dtype
+
+
+def _spec(index: int, param: torch.Tensor, *, with_device: bool = True) -> TensorSpec:
+    # Names only need to be unique; the global index keeps them stable across ranks.
+    device = str(param.device) if with_device else "cpu"
+    return TensorSpec(f"param{index}", tuple(param.shape), canonical_dtype(param.dtype), device)
+
+
+def _copy_to_device(value: Any, device: torch.device) -> Any:
+    """Copies of every tensor in nested lists, tuples and dicts, moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        # A copy, never an alias: a loaded state dict must not change when we step.
+        return value.to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        values = [_copy_to_device(v, device) for v in value]
+        return values if isinstance(value, list) else tuple(values)
+    if isinstance(value, dict):
+        return {k: _copy_to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _check_params(params: Any) -> tuple[list, list[torch.Tensor]]:
+    """``(params as a list, every parameter)``; raises torch's errors for bad input."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("`params` argument should be an iterable of "
+                        f"Tensors, but got {torch.typename(params)}")
+    try:
+        items = list(params)
+    except TypeError as e:
+        raise TypeError("`params` argument should be an iterable of Tensors"
+                        f" or dicts, but got {torch.typename(params)}") from e
+    if not items:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if all(isinstance(p, torch.Tensor) for p in items):
+        return items, items
+    if not all(isinstance(p, dict) for p in items):
+        raise TypeError("`params` argument should be an iterable of Tensors or dicts")
+    all_params, groups = [], []
+    for group in items:
+        if "params" not in group:
+            raise ValueError("Each parameter group passed-in via `params` must "
+                             "have a 'params' key mapping to the parameters in the group")
+        group_params = group["params"]
+        if isinstance(group_params, torch.Tensor):
+            group_params = [group_params]
+        elif not isinstance(group_params, set):  # a set is left for torch's TypeError
+            # Materialise generators (``model.parameters()``): read twice, they would be empty
+            # the second time (torch's own ZeroRedundancyOptimizer drops such a group's params).
+            group_params = list(group_params)
+            group = {**group, "params": group_params}
+        all_params.extend(group_params)
+        groups.append(group)
+    return groups, all_params
+
+
+def _check_same_dense_type(params: list[torch.Tensor]) -> None:
+    # torch.typename covers dtype and layout ("torch.FloatTensor", "torch.sparse.FloatTensor").
+    typename = torch.typename(params[0])
+    if params[0].is_sparse:
+        raise ValueError("ZeroRedundancyOptimizer only supports using "
+                         f"the same dense type for all parameters but got {typename}")
+    for p in params[1:]:
+        other = torch.typename(p)
+        if other != typename:
+            raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type for "
+                             f"all parameters but got both {typename} and {other}")
+
+
+def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
+    """Copy hyperparameters (everything but ``params``) group by group, as torch does."""
+    assert len(src) == len(dst), "mismatch between number of source and destination parameter groups"
+    for s, d in zip(src, dst):
+        for key, value in s.items():
+            if key != "params":
+                d[key] = value
