@@ -82,9 +82,6 @@ def build_torch(config: TrainConfig, params: dict[str, np.ndarray] | None = None
     state goes in between this and :func:`train_torch_steps`."""
     if params is None:
         params = init_params(config.seed, config.sizes)
-    if config.stage == 2 and config.clip_norm is not None:
-        raise ValueError(f"clip_norm={config.clip_norm!r} with stage=2: ZeRO2 keeps only gradient "
-                         f"slices (param.grad is None), so clip_grad_norm_ has nothing to clip")
     ddp = DistributedDataParallel(torch_model(params), bucket_cap_mb=config.bucket_cap_bytes / (1 << 20))
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
     kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
@@ -105,7 +102,9 @@ def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step:
         opt.zero_grad()
         loss = F.cross_entropy(ddp(torch.from_numpy(x)), torch.from_numpy(y))
         loss.backward()
-        if config.clip_norm is not None:
+        if config.clip_norm is not None and config.stage == 2:
+            opt.clip_grad_norm_(config.clip_norm)  # ZeRO2 holds gradient slices: one all-reduce of norms
+        elif config.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.clip_norm)
         opt.step()
         # The global loss is the mean of the per-rank means, what DDP's averaged gradient descends.

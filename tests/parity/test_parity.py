@@ -42,8 +42,9 @@ STEPS = 60
 ADAM = TrainConfig(num_steps=STEPS)
 ADAMW_CLIP = TrainConfig(num_steps=STEPS, optimizer="adamw", weight_decay=0.1, clip_norm=0.5)
 ADAMW = TrainConfig(num_steps=STEPS, optimizer="adamw", weight_decay=0.1)
-# The torch runs: ZeroRedundancyOptimizer (stage 1) and ZeRO2 (stage 2); ZeRO2 cannot clip (.grad is None).
-TORCH_RUNS = [ADAM, dataclasses.replace(ADAM, stage=2), ADAMW_CLIP, dataclasses.replace(ADAMW, stage=2), ADAMW]
+# The torch runs: ZeroRedundancyOptimizer (stage 1) and ZeRO2 (stage 2, clipping with ZeRO2.clip_grad_norm_).
+TORCH_RUNS = [ADAM, dataclasses.replace(ADAM, stage=2), ADAMW_CLIP, dataclasses.replace(ADAMW_CLIP, stage=2),
+              dataclasses.replace(ADAMW, stage=2), ADAMW]
 MULTI = dataclasses.replace(ADAM, bucket_cap_bytes=1200)  # 2-4 tensors per bucket
 WORLD = 2
 
@@ -72,13 +73,14 @@ def _jax(cache, config):
 
 
 # (torch config, jax config): the ZeroRedundancyOptimizer(Adam) against zero stage 1 and 2,
-# ZeRO2 against stage 2, and AdamW with clipping (stage 1 on torch) against both stages.
+# ZeRO2 against stage 2, and AdamW with clipping (torch ZeRO-1 and ZeRO2) against both stages.
 PAIRS = {
     "adam zero1 - jax stage 1": (ADAM, ADAM),
     "adam zero1 - jax stage 2": (ADAM, dataclasses.replace(ADAM, stage=2)),
     "adam zero2 - jax stage 2": (dataclasses.replace(ADAM, stage=2),) * 2,
     "adamw+clip zero1 - jax stage 1": (ADAMW_CLIP, ADAMW_CLIP),
     "adamw+clip zero1 - jax stage 2": (ADAMW_CLIP, dataclasses.replace(ADAMW_CLIP, stage=2)),
+    "adamw+clip zero2 - jax stage 2": (dataclasses.replace(ADAMW_CLIP, stage=2),) * 2,
     "adamw zero2 - jax stage 2": (dataclasses.replace(ADAMW, stage=2),) * 2,
 }
 
