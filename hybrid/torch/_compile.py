@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._dynamo
 from torch import fx, nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
@@ -257,8 +258,12 @@ def _forward_module(ddp, inputs, kwargs):
     return entry[2](*inputs, **kwargs)
 
 
-# dynamo skips this frame (not the frames it calls), as torch's _inside_ddp_forward.
-forward_module = torch._disable_dynamo(_forward_module, recursive=False)
+# dynamo skips this frame (not the frames it calls), as torch's _inside_ddp_forward: a traced
+# caller graph-breaks at the call (``_torchdynamo_disable``) and the frame's code is marked skipped
+# once. torch.compiler.disable(recursive=False) would not do: it skips the frame
+# with apply_to_code=False, so dynamo's callback (and counters["frames"]["total"]) is entered on
+# every call, which reads as one compile per step (torch 2.13).
+forward_module = torch._dynamo.decorators.skip(_forward_module)
 
 
 def _hint_ready_order(ddp, ordered: list[nn.Parameter]) -> None:
