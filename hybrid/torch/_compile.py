@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -229,7 +230,8 @@ def _first_piece_without_output(plan: GraphSplitPlan, piece: dict) -> int | None
 class _DDPCompileState:
     size_limits: tuple[int, ...] | None = None   # None: the reducer's rebuild limits
     force: bool = False                          # hybrid.torch.compile: split whatever optimize_ddp says
-    compiled: dict = dataclasses.field(default_factory=dict)   # id(backend) -> (backend, split, module)
+    # (id(backend), split?) -> (backend, SplitBackend or None, callable(module, inputs, kwargs))
+    compiled: dict = dataclasses.field(default_factory=dict)
 
 
 _STATE: "weakref.WeakKeyDictionary[nn.Module, _DDPCompileState]" = weakref.WeakKeyDictionary()
@@ -243,19 +245,37 @@ def _forward_module(ddp, inputs, kwargs):
     from torch._dynamo.eval_frame import innermost_backend
     from torch._dynamo.utils import get_optimize_ddp_mode
     state = _STATE.get(ddp)
-    if not (state is not None and state.force) and get_optimize_ddp_mode() != "ddp_optimizer":
-        return ddp.module(*inputs, **kwargs)
     if state is None:
         state = _STATE.setdefault(ddp, _DDPCompileState())
     backend = innermost_backend(callback)
-    entry = state.compiled.get(id(backend))
+    split = state.force or get_optimize_ddp_mode() == "ddp_optimizer"
+    entry = state.compiled.get((id(backend), split))
     if entry is None or entry[0] is not backend:
-        limits = state.size_limits or ddp._rebuild_limits
-        split = SplitBackend(backend, params=list(zip(ddp._names, ddp._params)), size_limits=limits,
-                             on_plan=lambda report, ordered: _hint_ready_order(ddp, ordered))
-        entry = (backend, split, torch.compile(ddp.module, backend=split))
-        state.compiled[id(backend)] = entry
-    return entry[2](*inputs, **kwargs)
+        if split:
+            limits = state.size_limits or ddp._rebuild_limits
+            splitter = SplitBackend(backend, params=list(zip(ddp._names, ddp._params)), size_limits=limits,
+                                    on_plan=lambda report, ordered: _hint_ready_order(ddp, ordered))
+            entry = (backend, splitter, torch.compile(_own_code(_call_module), backend=splitter))
+        else:   # traced whole by the outer call's own callback, on this entry's own code
+            entry = (backend, None, _own_code(_call_module))
+        state.compiled[(id(backend), split)] = entry
+    return entry[2](ddp.module, inputs, kwargs)
+
+
+def _call_module(module, inputs, kwargs):
+    return module(*inputs, **kwargs)
+
+
+def _own_code(fn):
+    """``fn`` on a code object of its own: the frame through which dynamo traces the module.
+
+    Called from :func:`forward_module`'s skipped frame, ``ddp.module(...)`` of a ``torch.nn``
+    class (a bare ``nn.Sequential``) would run eagerly: dynamo skips top-level frames in
+    ``torch.nn``, and would inline them from a frame of ours (``OptimizedModule`` uses
+    ``wrap_inline`` so). Its own code per entry keeps each entry's cache entries (and dynamo's
+    per-code recompile limit) apart from every other compile of the same class.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
 # dynamo skips this frame (not the frames it calls), as torch's _inside_ddp_forward: a traced
@@ -288,7 +308,7 @@ def split_reports(model) -> list[SplitReport]:
         return list(_PLAIN[model].reports)
     inner = getattr(model, "_orig_mod", model)
     state = _STATE.get(inner)
-    return [r for _, split, _ in (state.compiled.values() if state else ()) for r in split.reports]
+    return [r for _, split, _ in (state.compiled.values() if state else ()) if split for r in split.reports]
 
 
 def compile(model: nn.Module, *, backend="inductor", split_cap_mb: float | None = None,

@@ -151,3 +151,29 @@ def test_torch_ddp_and_bad_backend_are_refused():
 def test_doctests():
     result = doctest.testmod(_compile)
     assert result.attempted > 0 and result.failed == 0
+
+
+
+def test_optimize_ddp_toggled_in_one_process_compiles_each_way_once():
+    # A bare nn.Sequential: dynamo skips top-level torch.nn frames, so without a frame of ours to
+    # enter through, optimize_ddp=False used to run it eagerly.
+    import torch.distributed as dist
+    from tests.torch_zero._harness import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        model, x = _mlp(), torch.randn(3, 8)
+        ddp = ht.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=100 / 2**20)
+        counting = _Counting("eager")
+        compiled = torch.compile(ddp, backend=counting)
+        compiled(x).sum().backward()
+        assert counting.calls == 3 == ht.split_reports(ddp)[0].num_pieces
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            out = compiled(x)
+        assert counting.calls == 4 and len(ht.split_reports(ddp)) == 1   # one whole graph, no split
+        torch.testing.assert_close(out, model(x), rtol=RTOL, atol=ATOL)
+        compiled(x).sum().backward()
+        assert counting.calls == 4   # back on: the split graphs, cached
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
