@@ -8,7 +8,9 @@ gradient reduction), rank 0's times:
 - ``eager``: hybrid DDP, not compiled;
 - ``torch``: ``torch.compile(torch's DDP)``, split by torch's ``DDPOptimizer``.
 
-The first step of each variant is its compile time (plus one step), printed apart, with the
+The first step of each variant is its compile time (plus one step), printed apart (after a
+throwaway compile warms dynamo; kernels inductor compiled for one variant are reused by the next
+within the process, so the first variant's figure still holds more of that cost), with the
 number of graphs dynamo captured for it. Every variant compiles its own graphs: dynamo matches
 cache entries by backend, and the model is a class of this file, because under torch's DDP (and,
 before ``hybrid.torch._compile._own_code``, under hybrid's with ``optimize_ddp`` off) a bare
@@ -75,6 +77,9 @@ def _worker(rank, world, port, outdir, args):
         else:
             run[k](x).sum().backward()
 
+    # Warm dynamo and the backend (imports, lazy initialisation) on a throwaway model, so the first
+    # variant's first step does not pay it for all four.
+    torch.compile(_MLP(args.width, 1), backend=args.backend)(x).sum().backward()
     from torch._dynamo.utils import counters
     times = {k: [] for k in run}
     first, graphs, frames = {}, {}, 0
