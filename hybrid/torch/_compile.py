@@ -11,10 +11,11 @@ Two ways in:
 * ``torch.compile(hybrid_ddp)``: hybrid's ``DistributedDataParallel.forward`` runs its module
   through :func:`forward_module`, a frame dynamo skips (as torch's ``_inside_ddp_forward``). When a
   dynamo callback is active there and ``torch._dynamo.config.optimize_ddp`` asks for the
-  ``ddp_optimizer`` mode, the module runs through ``torch.compile(module, backend=SplitBackend(the
-  active backend))`` instead, with the reducer's rebuild caps: the mechanism torch uses for its
-  own class (``convert_frame`` swapping in ``DDPOptimizer`` while ``_get_active_ddp_module()`` is
-  set), without registering hybrid's class with torch's.
+  ``ddp_optimizer`` mode, the module runs through ``torch.compile(f, backend=SplitBackend(the
+  active backend))`` instead, ``f`` calling the module (see :func:`_own_code`), with the reducer's
+  rebuild caps: the mechanism torch uses for its own class (``convert_frame`` swapping in
+  ``DDPOptimizer`` while ``_get_active_ddp_module()`` is set), without registering hybrid's class
+  with torch's. With ``optimize_ddp`` off, ``f`` is traced whole by the outer call's callback.
 * :func:`compile`: explicit backend and split caps, for a hybrid DDP or a plain module.
 
 Limits: the inner compile sees only the backend of the outer ``torch.compile`` call (``mode`` and
