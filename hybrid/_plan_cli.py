@@ -2,6 +2,8 @@
 
 Sources: a built-in example (``--model``), a torch module factory (``--module pkg.mod:factory``)
 or a JSON list of specs (``--specs FILE``). ``--json`` prints one JSON object instead of tables.
+``--compile`` traces a torch module with dynamo and prints the pieces ``torch.compile(hybrid DDP)``
+cuts its graph(s) into, next to the buckets the reducer rebuilds from the graph's order.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_COPIES), default="adam")
     p.add_argument("--master-weights", action="store_true",
                    help="count fp32 master weights in optimizer state (mixed-precision training)")
+    p.add_argument("--compile", action="store_true",
+                   help="trace the model with dynamo (torch) and list the pieces torch.compile(hybrid DDP) "
+                        "splits its graph into, next to the reducer's buckets; --module or --model mlp")
+    p.add_argument("--input-shape", metavar="N,D,...",
+                   help="with --compile: shape of the one example input (float32; int64 for an Embedding "
+                        "first); default from the first layer: Linear (2, in), Conv2d (2, in, 32, 32), "
+                        "Embedding (2, 16)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -90,6 +99,83 @@ def specs_of_module(target: str) -> tuple[TensorSpec, ...]:
     from hybrid.torch import specs as torch_specs  # torch is needed only for this source
 
     return torch_specs(factory())
+
+
+def _torch_module(args):
+    """The torch module behind ``--module`` or ``--model mlp`` (the only built-in with a torch twin)."""
+    if args.module is not None:
+        module_name, _, factory_name = args.module.partition(":")
+        return getattr(importlib.import_module(module_name), factory_name)()
+    if (args.model or "gpt2-small") != "mlp" or args.specs is not None:
+        raise SystemExit("hybrid plan: --compile traces a torch module: give --module PKG.MOD:FACTORY or --model mlp")
+    import torch
+
+    class MLP(torch.nn.Module):  # the names of hybrid._examples.mlp: layers.{i}.weight / .bias
+        def __init__(self, width=2048, depth=6):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x
+    return MLP()
+
+
+def _example_input(module, shape: str | None):
+    import torch
+    first = next((m for m in module.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if shape is not None:
+        try:
+            dims = tuple(int(d) for d in shape.split(","))
+        except ValueError:
+            raise SystemExit(f"hybrid plan: --input-shape wants N,D,... integers, got {shape!r}")
+        if isinstance(first, torch.nn.Embedding):
+            return torch.zeros(dims, dtype=torch.long)
+        return torch.randn(dims)
+    if isinstance(first, torch.nn.Linear):
+        return torch.randn(2, first.in_features)
+    if isinstance(first, torch.nn.Conv2d):
+        return torch.randn(2, first.in_channels, 32, 32)
+    if isinstance(first, torch.nn.Embedding):
+        return torch.zeros(2, 16, dtype=torch.long)
+    raise SystemExit(f"hybrid plan: cannot build an example input from the first layer "
+                     f"({type(first).__name__}); give --input-shape")
+
+
+def compile_report(args, specs, size_limits) -> dict:
+    """What ``torch.compile(hybrid DDP)`` does with the model: one entry per captured graph.
+
+    The graph is captured by dynamo on one CPU example input, planned by the same SplitBackend
+    (compiling the pieces with the ``eager`` backend); the buckets are the reducer's rebuild from
+    the graphs' reverse-use order (the last graph's parameters first), with the same limits.
+    """
+    module = _torch_module(args)
+    import torch
+
+    from hybrid.core import rebuild_plan
+    from hybrid.torch import SplitBackend
+    from hybrid.torch._ddp_parts import _reduced_parameters
+    x = _example_input(module, args.input_shape)
+    named = _reduced_parameters(module, set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())))
+    orders = []
+    split = SplitBackend("eager", params=named, size_limits=size_limits,
+                         on_plan=lambda report, ordered: orders.append(ordered))
+    torch._dynamo.reset()
+    torch.compile(module, backend=split)(x)
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    ready = [index[id(p)] for ordered in reversed(orders) for p in ordered]
+    buckets = rebuild_plan(plan_buckets(specs, size_limits=size_limits), ready, size_limits=size_limits)
+    graphs = []
+    for report in split.reports:
+        plan = report.plan
+        graphs.append({"pieces": [{"bytes": plan.nbytes(k), "nodes": report.nodes[k],
+                                   "params": [plan.specs[i].name for i in plan.members(k)]}
+                                  for k in range(plan.num_pieces)],
+                       "compiled_whole": report.reason, "merged_groups": list(plan.merged),
+                       "table": report.table(buckets)})
+    return {"input_shape": list(x.shape), "size_limits": list(size_limits), "graphs": graphs,
+            "buckets": [[specs[m].name for m in b.members] for b in buckets.buckets]}
 
 
 def build_report(label: str, specs, args) -> dict:
@@ -155,6 +241,8 @@ def print_report(report: dict) -> None:
                          human_bytes(r["zero2_total_bytes"])] for r in report["ranks"]]))
     print(f"\nPaper formulas per rank: DDP {human_bytes(f['ddp'])}, ZeRO-1 {human_bytes(f['zero1'])}, "
           f"ZeRO-2 {human_bytes(f['zero2'])}")
+    if "compile" in report:
+        print_compile(report["compile"])
     print(f"\n{LEGEND}\n\n{NEXT}")
 
 
@@ -170,9 +258,20 @@ def _caps_used(report: dict) -> str:
     return f"caps {human_bytes(limits[0])} for the first bucket of each dtype and device, then {human_bytes(limits[1])}"
 
 
+def print_compile(view: dict) -> None:
+    print(f"\ntorch.compile(hybrid DDP) on one input of shape {tuple(view['input_shape'])}: "
+          f"{len(view['graphs'])} graph(s); pieces in gradient-ready order, each compiled apart; (bucket): "
+          f"the parameter's bucket once the reducer rebuilds from the graph order (a bucket may close "
+          f"inside a node, a piece only at a node's end)")
+    for g, graph in enumerate(view["graphs"]):
+        print(f"\ngraph {g}: {graph['table']}")
+
+
 def run(args) -> int:
     label, specs = load_specs(args)
     report = build_report(label, specs, args)
+    if args.compile:
+        report["compile"] = compile_report(args, specs, tuple(report["size_limits"]))
     if args.json:
         print(json.dumps(report, indent=2))
     else:

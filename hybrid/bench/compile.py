@@ -8,7 +8,14 @@ gradient reduction), rank 0's times:
 - ``eager``: hybrid DDP, not compiled;
 - ``torch``: ``torch.compile(torch's DDP)``, split by torch's ``DDPOptimizer``.
 
-The first step of each variant is its compile time (plus one step), printed apart.
+The first step of each variant is its compile time (plus one step), printed apart (after a
+throwaway compile warms dynamo; kernels inductor compiled for one variant are reused by the next
+within the process, so the first variant's figure still holds more of that cost), with the
+number of graphs dynamo captured for it. Every variant compiles its own graphs: dynamo matches
+cache entries by backend, and the model is a class of this file, because under torch's DDP (and,
+before ``hybrid.torch._compile._own_code``, under hybrid's with ``optimize_ddp`` off) a bare
+``nn.Sequential`` ran eagerly: dynamo skips top-level ``torch.nn`` frames. Frames converted
+during the timed steps are counted and printed: 0 means no recompilation.
 """
 
 from __future__ import annotations
@@ -31,11 +38,17 @@ from hybrid.bench._stats import paired_ratio
 _MB = 1 << 20
 
 
-def _mlp(width: int, depth: int) -> nn.Module:
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers)
+class _MLP(nn.Module):
+    """``depth`` x (Linear, ReLU), its forward in this file: dynamo traces it under torch's DDP too."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
 
 
 def _worker(rank, world, port, outdir, args):
@@ -44,7 +57,7 @@ def _worker(rank, world, port, outdir, args):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
-    base = _mlp(args.width, args.depth)
+    base = _MLP(args.width, args.depth)
     x = torch.randn(args.batch, args.width)
     cap = args.bucket_cap_mb
     import copy
@@ -64,24 +77,30 @@ def _worker(rank, world, port, outdir, args):
         else:
             run[k](x).sum().backward()
 
+    # Warm dynamo and the backend (imports, lazy initialisation) on a throwaway model, so the first
+    # variant's first step does not pay it for all four.
+    torch.compile(_MLP(args.width, 1), backend=args.backend)(x).sum().backward()
+    from torch._dynamo.utils import counters
     times = {k: [] for k in run}
-    first = {}
+    first, graphs, frames = {}, {}, 0
     for it in range(args.reps + 3):  # the first step compiles, the second rebuilds buckets
         for k in run:
             for p in mods[k].parameters():
                 p.grad = None
             dist.barrier()
+            before = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
             t0 = time.perf_counter()
             step(k)
             dt = time.perf_counter() - t0
             if it == 0:
-                first[k] = dt
+                first[k], graphs[k] = dt, counters["stats"]["unique_graphs"] - before[0]
             elif it >= 3:
                 times[k].append(dt)
+                frames += counters["frames"]["total"] - before[1]
     from hybrid.torch import split_reports
     pieces = split_reports(mods["split"])[0].num_pieces
     if rank == 0:
-        torch.save({"times": times, "first": first, "pieces": pieces,
+        torch.save({"times": times, "first": first, "graphs": graphs, "frames": frames, "pieces": pieces,
                     "buckets": mods["split"].bucket_plan.num_buckets,
                     "params": sum(p.numel() for p in base.parameters())}, os.path.join(outdir, "res.pt"))
     dist.barrier()
@@ -111,9 +130,10 @@ def main(argv: list[str]) -> int:
     print(f"world size 2, gloo, backend {args.backend}, MLP {args.depth}x{args.width} ({res['params']} params), "
           f"cap {args.bucket_cap_mb} MiB: {res['pieces']} pieces, {res['buckets']} buckets; "
           f"medians of {args.reps} interleaved steps, rank 0")
-    print(f"{'variant':<8} {'step ms':>9} {'first step (compile) s':>23}")
+    print(f"{'variant':<8} {'step ms':>9} {'first step (compile) s':>23} {'graphs captured':>16}")
     for k in t:
-        print(f"{k:<8} {med[k] * 1e3:>9.2f} {res['first'][k]:>23.2f}")
+        print(f"{k:<8} {med[k] * 1e3:>9.2f} {res['first'][k]:>23.2f} {res['graphs'][k]:>16}")
+    print(f"frames converted during the timed steps (recompiles): {res['frames']}")
     print(f"paired ratios: split/whole {paired_ratio(t['split'], t['whole']):.3f}  "
           f"split/eager {paired_ratio(t['split'], t['eager']):.3f}  split/torch {paired_ratio(t['split'], t['torch']):.3f}")
     return 0

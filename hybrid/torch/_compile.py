@@ -11,10 +11,11 @@ Two ways in:
 * ``torch.compile(hybrid_ddp)``: hybrid's ``DistributedDataParallel.forward`` runs its module
   through :func:`forward_module`, a frame dynamo skips (as torch's ``_inside_ddp_forward``). When a
   dynamo callback is active there and ``torch._dynamo.config.optimize_ddp`` asks for the
-  ``ddp_optimizer`` mode, the module runs through ``torch.compile(module, backend=SplitBackend(the
-  active backend))`` instead, with the reducer's rebuild caps: the mechanism torch uses for its
-  own class (``convert_frame`` swapping in ``DDPOptimizer`` while ``_get_active_ddp_module()`` is
-  set), without registering hybrid's class with torch's.
+  ``ddp_optimizer`` mode, the module runs through ``torch.compile(f, backend=SplitBackend(the
+  active backend))`` instead, ``f`` calling the module (see :func:`_own_code`), with the reducer's
+  rebuild caps: the mechanism torch uses for its own class (``convert_frame`` swapping in
+  ``DDPOptimizer`` while ``_get_active_ddp_module()`` is set), without registering hybrid's class
+  with torch's. With ``optimize_ddp`` off, ``f`` is traced whole by the outer call's callback.
 * :func:`compile`: explicit backend and split caps, for a hybrid DDP or a plain module.
 
 Limits: the inner compile sees only the backend of the outer ``torch.compile`` call (``mode`` and
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._dynamo
 from torch import fx, nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
@@ -228,7 +231,8 @@ def _first_piece_without_output(plan: GraphSplitPlan, piece: dict) -> int | None
 class _DDPCompileState:
     size_limits: tuple[int, ...] | None = None   # None: the reducer's rebuild limits
     force: bool = False                          # hybrid.torch.compile: split whatever optimize_ddp says
-    compiled: dict = dataclasses.field(default_factory=dict)   # id(backend) -> (backend, split, module)
+    # (id(backend), split?) -> (backend, SplitBackend or None, callable(module, inputs, kwargs))
+    compiled: dict = dataclasses.field(default_factory=dict)
 
 
 _STATE: "weakref.WeakKeyDictionary[nn.Module, _DDPCompileState]" = weakref.WeakKeyDictionary()
@@ -242,23 +246,45 @@ def _forward_module(ddp, inputs, kwargs):
     from torch._dynamo.eval_frame import innermost_backend
     from torch._dynamo.utils import get_optimize_ddp_mode
     state = _STATE.get(ddp)
-    if not (state is not None and state.force) and get_optimize_ddp_mode() != "ddp_optimizer":
-        return ddp.module(*inputs, **kwargs)
     if state is None:
         state = _STATE.setdefault(ddp, _DDPCompileState())
     backend = innermost_backend(callback)
-    entry = state.compiled.get(id(backend))
+    split = state.force or get_optimize_ddp_mode() == "ddp_optimizer"
+    entry = state.compiled.get((id(backend), split))
     if entry is None or entry[0] is not backend:
-        limits = state.size_limits or ddp._rebuild_limits
-        split = SplitBackend(backend, params=list(zip(ddp._names, ddp._params)), size_limits=limits,
-                             on_plan=lambda report, ordered: _hint_ready_order(ddp, ordered))
-        entry = (backend, split, torch.compile(ddp.module, backend=split))
-        state.compiled[id(backend)] = entry
-    return entry[2](*inputs, **kwargs)
+        if split:
+            limits = state.size_limits or ddp._rebuild_limits
+            splitter = SplitBackend(backend, params=list(zip(ddp._names, ddp._params)), size_limits=limits,
+                                    on_plan=lambda report, ordered: _hint_ready_order(ddp, ordered))
+            entry = (backend, splitter, torch.compile(_own_code(_call_module), backend=splitter))
+        else:   # traced whole by the outer call's own callback, on this entry's own code
+            entry = (backend, None, _own_code(_call_module))
+        state.compiled[(id(backend), split)] = entry
+    return entry[2](ddp.module, inputs, kwargs)
 
 
-# dynamo skips this frame (not the frames it calls), as torch's _inside_ddp_forward.
-forward_module = torch._disable_dynamo(_forward_module, recursive=False)
+def _call_module(module, inputs, kwargs):
+    return module(*inputs, **kwargs)
+
+
+def _own_code(fn):
+    """``fn`` on a code object of its own: the frame through which dynamo traces the module.
+
+    Called from :func:`forward_module`'s skipped frame, ``ddp.module(...)`` of a ``torch.nn``
+    class (a bare ``nn.Sequential``) would run eagerly: dynamo skips top-level frames in
+    ``torch.nn``, and would inline them from a frame of ours (``OptimizedModule`` uses
+    ``wrap_inline`` so). Its own code per entry keeps each entry's cache entries (and dynamo's
+    per-code recompile limit) apart from every other compile of the same class.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+
+
+# dynamo skips this frame (not the frames it calls), as torch's _inside_ddp_forward: a traced
+# caller graph-breaks at the call (``_torchdynamo_disable``) and the frame's code is marked skipped
+# once. torch.compiler.disable(recursive=False) would not do: it skips the frame
+# with apply_to_code=False, so dynamo's callback (and counters["frames"]["total"]) is entered on
+# every call, which reads as one compile per step (torch 2.13).
+forward_module = torch._dynamo.decorators.skip(_forward_module)
 
 
 def _hint_ready_order(ddp, ordered: list[nn.Parameter]) -> None:
@@ -283,7 +309,7 @@ def split_reports(model) -> list[SplitReport]:
         return list(_PLAIN[model].reports)
     inner = getattr(model, "_orig_mod", model)
     state = _STATE.get(inner)
-    return [r for _, split, _ in (state.compiled.values() if state else ()) for r in split.reports]
+    return [r for _, split, _ in (state.compiled.values() if state else ()) if split for r in split.reports]
 
 
 def compile(model: nn.Module, *, backend="inductor", split_cap_mb: float | None = None,

@@ -121,3 +121,35 @@ def test_closed_pipe_ends_quietly(tmp_path):
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) != 0 and stderr == "", stderr
+
+
+def test_compile_lists_pieces_next_to_the_buckets(tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "compmodels.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))\n"
+        "def make():\n"
+        "    return Net()\n")
+    # Caps of c's and b's bytes: each linear closes its piece and its bucket (weight and bias).
+    out = run_cli("--module", "compmodels:make", "--compile", "--bucket-cap-mb", str(1088 / 2**20),
+                  "--first-bucket-cap-mb", str(272 / 2**20), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    view = json.loads(out.stdout)["compile"]
+    assert view["input_shape"] == [2, 8]   # from the first Linear
+    (graph,) = view["graphs"]
+    assert graph["compiled_whole"] is None
+    assert [p["params"] for p in graph["pieces"]] == view["buckets"] == [
+        ["c.weight", "c.bias"], ["b.weight", "b.bias"], ["a.weight", "a.bias"]]
+    text = run_cli("--module", "compmodels:make", "--compile", "--input-shape", "3,8", cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "on one input of shape (3, 8): 1 graph(s)" in text.stdout and "compiled whole" in text.stdout
+
+
+def test_compile_needs_a_torch_module():
+    out = run_cli("--model", "gpt2-small", "--compile")
+    assert out.returncode != 0 and "--module PKG.MOD:FACTORY or --model mlp" in out.stderr

@@ -151,3 +151,59 @@ def test_torch_ddp_and_bad_backend_are_refused():
 def test_doctests():
     result = doctest.testmod(_compile)
     assert result.attempted > 0 and result.failed == 0
+
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    import torch.distributed as dist
+    from tests.torch_zero._harness import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+def test_optimize_ddp_toggled_in_one_process_compiles_each_way_once(world_of_one):
+    # A bare nn.Sequential: dynamo skips top-level torch.nn frames, so without a frame of ours to
+    # enter through, optimize_ddp=False used to run it eagerly.
+    torch._dynamo.reset()
+    model, x = _mlp(), torch.randn(3, 8)
+    ddp = ht.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=100 / 2**20)
+    counting = _Counting("eager")
+    compiled = torch.compile(ddp, backend=counting)
+    compiled(x).sum().backward()
+    assert counting.calls == 3 == ht.split_reports(ddp)[0].num_pieces
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        out = compiled(x)
+    assert counting.calls == 4 and len(ht.split_reports(ddp)) == 1   # one whole graph, no split
+    torch.testing.assert_close(out, model(x), rtol=RTOL, atol=ATOL)
+    compiled(x).sum().backward()
+    assert counting.calls == 4   # back on: the split graphs, cached
+
+
+class _Mixed(nn.Module):
+    """A parameter DDP ignores, a frozen one and BatchNorm's buffers: none counts toward a piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+        self.ignored, self.frozen = nn.Parameter(torch.ones(8)), nn.Parameter(torch.ones(8), requires_grad=False)
+        self._ddp_params_and_buffers_to_ignore = ["ignored"]
+
+    def forward(self, x):
+        return self.b(self.norm(torch.relu(self.a(x))) * self.ignored * self.frozen)
+
+
+def test_ignored_frozen_parameters_and_buffers_do_not_count(world_of_one):
+    torch._dynamo.reset()
+    model, x = _Mixed(), torch.randn(5, 8)
+    ddp = ht.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=100 / 2**20)
+    compiled = torch.compile(ddp, backend="aot_eager")
+    out = compiled(x)
+    torch.testing.assert_close(out, model(x), rtol=RTOL, atol=ATOL)
+    out.sum().backward()
+    (report,) = ht.split_reports(ddp)
+    counted = [report.plan.specs[i].name for k in range(report.num_pieces) for i in report.plan.members(k)]
+    assert sorted(counted) == sorted(["a.weight", "a.bias", "norm.weight", "norm.bias", "b.weight", "b.bias"])
+    assert sum(report.plan.nbytes(k) for k in range(report.num_pieces)) == 4 * (64 + 8 + 8 + 8 + 32 + 4)
