@@ -348,10 +348,15 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         for seg, master in zip(self._segments, self._masters):
             g = self._grads[seg.bucket] if self._grads else None
             master.grad = None if g is None else g[seg.lo:seg.hi]
-        self.optim.step(**kwargs)
-        for master in self._masters:
-            master.grad = None
-        self._all_gather_params()
+        try:
+            self.optim.step(**kwargs)
+        finally:
+            # Also when the local step raised (on this rank only, say): every rank still sends
+            # its slices (this rank's unchanged, if the optimizer raised before changing them),
+            # so the other ranks' gathers pair up and the next step works.
+            for master in self._masters:
+                master.grad = None
+            self._all_gather_params()
         return loss
 
     # -- Join -----------------------------------------------------------------------------------
