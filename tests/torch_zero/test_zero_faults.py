@@ -36,6 +36,8 @@ MODES = {
     "zero1-bucket-view": (1, "die", "ZeroRedundancyOptimizer.step: the broadcast of rank 1's parameters failed"),
     "zero1-stall": (1, "stall", "ZeroRedundancyOptimizer.step: the broadcast of rank 1's parameters failed"),
     "zero2": (1, "die", "ZeRO2.step: the broadcast of rank "),  # rank 0's own send may fail first
+    # the victim dies before its backward: the survivor's gradient reduction in ZeRO2's comm hook
+    "zero2-comm-hook": (1, "exit", "ZeRO2 (DDP comm hook): the all-reduce of gradient bucket 0 failed"),
     "hook": (0, "die", "hook_with_zero_step: the broadcast of rank 0's run of bucket 0 failed"),
     "hook-interleaved": (0, "die", "hook_with_zero_step_interleaved: the broadcast of rank 0's run of bucket 0 failed"),
 }
@@ -66,7 +68,7 @@ def _fault_worker(mode, rank, port, out):
         def iteration():
             model(torch.ones(3, 4)).sum().backward()
             opt.step()
-    elif mode == "zero2":
+    elif mode.startswith("zero2"):
         ddp = DistributedDataParallel(model)
         opt = ZeRO2(ddp, _Fragile, lr=0.1)
 
@@ -82,8 +84,11 @@ def _fault_worker(mode, rank, port, out):
         def iteration():
             ddp(torch.ones(3, 4)).sum().backward()
             zero.zero_grad()
-    iteration()  # one good step: the setup works
+    for _ in range(2):  # good steps: the setup works, and DDP has rebuilt its buckets
+        iteration()
     if rank == victim:
+        if fault == "exit":
+            os._exit(17)
         _FAULT[0] = fault
     t0 = time.monotonic()
     try:
@@ -126,7 +131,7 @@ def test_peer_fault_raises_naming_the_collective(mode):
     assert list(reports) == [survivor], reports
     outcome, seconds = reports[survivor]
     print(f"{mode}: rank {survivor} raised after {seconds:.2f} s: {outcome[:300]}")
-    if fault == "die":
+    if fault in ("die", "exit"):
         assert procs[victim].exitcode == 17
     assert expected in outcome, outcome
     assert "a peer died or stalled past the process group's timeout" in outcome, outcome
