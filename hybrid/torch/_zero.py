@@ -22,8 +22,8 @@ from torch.optim import Optimizer
 
 from hybrid.core import ParamPartition, partition_params, plan_buckets
 from hybrid.torch._flat import params_into_flat
-from hybrid.torch._zero_parts import (_check_params, _check_same_dense_type, _copy_to_device, _spec,
-                                      _sync_param_groups)
+from hybrid.torch._zero_parts import (_check_params, _check_same_dense_type, _collective_failed, _copy_to_device,
+                                      _spec, _sync_param_groups, _wait)
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 # One flat bucket per (dtype, device) per rank: the per-rank broadcast is one message per bucket.
 _ONE_BUCKET_PER_KEY = (sys.maxsize,)
+
+# Who runs the cross-rank check (ZeroRedundancyOptimizer._check_ranks_agree).
+_INIT, _ADD, _STEP = 0, 1, 2
+_PHASE_NAMES = ("__init__", "add_param_group", "step")
 
 
 class _ZeroJoinHook(JoinHook):
@@ -165,21 +169,56 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _index_to_param(self) -> list[torch.Tensor]:
         return self._params
 
-    def _check_ranks_agree(self) -> None:
-        """Raise ValueError on every rank unless all ranks planned the same partition.
+    _fingerprint_cache: tuple = (None, 0)
+
+    def _check_ranks_agree(self, phase: int = 0) -> None:
+        """Raise on every rank unless all ranks are in the same call and planned the same partition.
 
         Ranks with different parameters would otherwise pair mismatched broadcasts: a hang or
-        silently corrupted parameters. One all-reduce of the plan's fingerprint (MAX of ``v`` and
-        ``-v`` gives the max and the min) tells all ranks at once.
+        silently corrupted parameters (``ValueError``). One all-reduce (a sum) of a table with
+        one row per rank, ``(partition fingerprint, number of groups, phase)``, tells every rank
+        all rows at once. ``phase`` says who asks (constructor, ``add_param_group``, ``step``):
+        ``step`` runs the same check, so a rank whose ``add_param_group`` was called alone meets
+        the others' step here, and both raise ``RuntimeError`` naming the ranks that disagree.
         """
-        mine = int(self.partition.fingerprint(), 16) >> 1  # 63 bits: -v fits in an int64
-        both = torch.tensor([mine, -mine], dtype=torch.int64, device=self._default_device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
-        if both[0].item() != mine or -both[1].item() != mine:
+        if self._fingerprint_cache[0] is not self.partition:
+            # 63 bits: a sum of one value and zeros stays inside an int64
+            self._fingerprint_cache = (self.partition, int(self.partition.fingerprint(), 16) >> 1)
+        mine = self._fingerprint_cache[1]
+        table = torch.zeros(self.world_size, 3, dtype=torch.int64, device=self._default_device)
+        table[self.rank] = torch.tensor([mine, len(self.param_groups), phase], dtype=torch.int64)
+        try:
+            dist.all_reduce(table, group=self.process_group)
+        except RuntimeError as e:
+            if phase == _ADD:
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer.add_param_group: the other ranks did not join its "
+                    f"cross-rank check within the process group's timeout, or a peer died (called "
+                    f"on rank {self.rank} only? it must be called on every rank, in the same order); "
+                    f"the group was not added: {e}") from e
+            what = ("ZeroRedundancyOptimizer.step: the cross-rank check of the parameter groups "
+                    "(add_param_group called on some ranks only?)" if phase == _STEP else
+                    "ZeroRedundancyOptimizer: the cross-rank check of the partition")
+            raise _collective_failed(what, e) from e
+        rows = table.tolist()
+        if len({row[2] for row in rows}) > 1:
+            calls = {}
+            for r, (_, num_groups, p) in enumerate(rows):
+                calls.setdefault((p, num_groups), []).append(r)
+            seen = "; ".join(f"ranks {ranks} in {_PHASE_NAMES[p]} with {n} parameter group(s)"
+                             for (p, n), ranks in sorted(calls.items()))
+            adders = [r for r, row in enumerate(rows) if row[2] == _ADD]
+            undone = " (the group was not added)" if phase == _ADD else " (nothing was stepped)" if phase == _STEP else ""
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer.{_PHASE_NAMES[phase]}: the ranks are out of step: {seen}. "
+                f"add_param_group must be called on every rank, in the same order (called on "
+                f"ranks {adders} only?){undone}")
+        if len({row[0] for row in rows}) > 1:
+            differ = [r for r, row in enumerate(rows) if row[0] != mine]
             raise ValueError(
                 f"ZeroRedundancyOptimizer: rank {self.rank} planned partition "
-                f"{self.partition.fingerprint()} over {len(self._params)} parameters, but other "
-                "ranks of the process group planned a different one; pass the same parameters "
+                f"{self.partition.fingerprint()} over {len(self._params)} parameters, but ranks "
+                f"{differ} of the process group planned a different one; pass the same parameters "
                 "(shapes, dtypes, groups, order) on every rank")
 
     def _rank_param_groups(self, rank: int) -> list[dict[str, Any]]:
@@ -195,10 +234,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         before = self._partition_cache
         self._partition_cache = None
-        after = self.partition
+        try:
+            after = self.partition
+            self._check_ranks_agree(_ADD)
+        except BaseException:
+            # Nothing half-added: the group leaves this optimizer as it came.
+            self.param_groups.pop()
+            self._partition_cache = before
+            raise
         # Loads carry over group to group, so earlier groups keep their owners and the local
         # optimizer's existing state stays valid.
-        self._check_ranks_agree()
         assert before is None or after.per_rank[self.rank][:-1] == before.per_rank[self.rank]
         self.optim.add_param_group(self._rank_param_groups(self.rank)[-1])
         self._is_trainable_mask = self._trainable_mask()
@@ -222,6 +267,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             logger.warning("`step()` should not be included in the training loop when `overlap_with_ddp=True`")
             return None
         Join.notify_join_context(self)
+        # One small all-reduce: a rank whose add_param_group was called alone, or that is out of
+        # step otherwise, makes every rank raise here instead of pairing mismatched broadcasts.
+        self._check_ranks_agree(_STEP)
         mask = self._trainable_mask()
         if mask != self._is_trainable_mask:
             logger.warning("ZeroRedundancyOptimizer detected that the trainable parameters "
@@ -252,12 +300,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _finish_broadcasts(self, handles: list, ranks) -> None:
         handles += self._broadcast_shares(ranks)
-        for h in handles:
-            h.wait()
+        _wait(handles)
 
     def _broadcast_shares(self, ranks) -> list:
         """Start the broadcasts of these ranks' shares (each from its owner): one per bucket with
-        bucket views, else one per parameter. Every rank starts them in the same order."""
+        bucket views, else one per parameter. Every rank starts them in the same order.
+        Returns ``(what, work)`` pairs for :func:`_wait`."""
         params = self._params
         handles = []
         for rank in ranks:
@@ -266,7 +314,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 tensors = self._buckets[rank]
             else:
                 tensors = [params[i].data for i in self.partition.owned(rank)]
-            handles.extend(dist.broadcast(t, src=src, group=self.process_group, async_op=True)
+            what = f"ZeroRedundancyOptimizer.step: the broadcast of rank {rank}'s parameters"
+            handles.extend((what, dist.broadcast(t, src=src, group=self.process_group, async_op=True))
                            for t in tensors)
         return handles
 

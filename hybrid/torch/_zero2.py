@@ -25,6 +25,7 @@ from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero2_grads import GradientInShards, clip_grad_norm_
 from hybrid.torch._zero2_state import ShardedState, _all_gather, _take
+from hybrid.torch._zero_parts import _wait
 
 __all__ = ["ZeRO2"]
 
@@ -230,7 +231,8 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         # The bucket holds the local gradient now; the full tensor need not live on.
         self._stand_in_grads(bucket)
 
-        def keep_slice(_):
+        def keep_slice(done):
+            _wait([(f"ZeRO2 (DDP comm hook): the reduce-scatter of gradient bucket {b}", done)])
             g = out.float()
             if self._grads[b] is None:
                 self._grads[b] = g
@@ -247,7 +249,8 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         self._stand_in_grads(bucket)
         start, stop = self._grad_shards.shard_range(b, self.rank)
 
-        def keep_slice(_):
+        def keep_slice(done):
+            _wait([(f"ZeRO2 (DDP comm hook): the all-reduce of gradient bucket {b}", done)])
             g = torch.zeros(stop - start, dtype=torch.float32, device=buf.device)
             valid = buf[start:min(stop, buf.numel())]
             g[:valid.numel()] = valid
@@ -345,10 +348,15 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         for seg, master in zip(self._segments, self._masters):
             g = self._grads[seg.bucket] if self._grads else None
             master.grad = None if g is None else g[seg.lo:seg.hi]
-        self.optim.step(**kwargs)
-        for master in self._masters:
-            master.grad = None
-        self._all_gather_params()
+        try:
+            self.optim.step(**kwargs)
+        finally:
+            # Also when the local step raised (on this rank only, say): every rank still sends
+            # its slices (this rank's unchanged, if the optimizer raised before changing them),
+            # so the other ranks' gathers pair up and the next step works.
+            for master in self._masters:
+                master.grad = None
+            self._all_gather_params()
         return loss
 
     # -- Join -----------------------------------------------------------------------------------
@@ -376,10 +384,11 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         for b, full in enumerate(self._flat_params):
             size = self._shards.shard_sizes[b]
             if self._flat_collectives:
-                works.append(_all_gather(full, self._my_slice(b).clone(), group=self.process_group, async_op=True))
+                works.append((f"ZeRO2.step: the all-gather of bucket {b}'s parameters",
+                              _all_gather(full, self._my_slice(b).clone(), group=self.process_group, async_op=True)))
             else:
                 # gloo: one broadcast per rank straight into its slice beats gloo's all-gather.
-                works += [dist.broadcast(full[r * size:(r + 1) * size], src=dist.get_global_rank(self.process_group, r),
-                                         group=self.process_group, async_op=True) for r in range(self.world_size)]
-        for work in works:
-            work.wait()
+                works += [(f"ZeRO2.step: the broadcast of rank {r}'s slice of bucket {b}",
+                           dist.broadcast(full[r * size:(r + 1) * size], src=dist.get_global_rank(self.process_group, r),
+                                          group=self.process_group, async_op=True)) for r in range(self.world_size)]
+        _wait(works)

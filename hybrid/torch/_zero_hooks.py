@@ -34,6 +34,7 @@ from hybrid.core import BucketAssignment, BucketPlan, assign_buckets
 from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero import ZeroRedundancyOptimizer
+from hybrid.torch._zero_parts import _wait
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -56,6 +57,7 @@ class _Overlap:
             raise ValueError("Overlapping DDP with ZeRO only supports a single parameter group, got "
                              f"{len(zero.param_groups)}")
         self.ddp, self.zero, self.shard_buckets = ddp, zero, bool(shard_buckets)
+        self.name = "hook_with_zero_step_interleaved" if own_group else "hook_with_zero_step"  # in errors
         self.group = ddp.process_group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -193,14 +195,14 @@ class _Overlap:
             sub = self.assignment.subset(r, b)
             lo, hi = spec.offsets[sub.start], spec.offsets[sub.stop - 1] + spec.numels[sub.stop - 1]
             src = dist.get_global_rank(self.bcast_group, r)
-            self.pending.append(dist.broadcast(self.flats[b][lo:hi], src=src, group=self.bcast_group,
-                                               async_op=True))
+            self.pending.append((f"{self.name}: the broadcast of rank {r}'s run of bucket {b}",
+                                 dist.broadcast(self.flats[b][lo:hi], src=src, group=self.bcast_group,
+                                                async_op=True)))
 
     def finish(self) -> None:
         """Wait for this iteration's broadcasts (they wrote the parameters in place)."""
-        for work in self.pending:
-            work.wait()
-        self.pending = []
+        pending, self.pending = self.pending, []
+        _wait(pending)
 
 
 def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,

@@ -82,3 +82,17 @@ def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
         for key, value in s.items():
             if key != "params":
                 d[key] = value
+
+
+def _collective_failed(what: str, error: BaseException) -> RuntimeError:
+    """``error`` (a collective's) as a RuntimeError that says which collective of which mode."""
+    return RuntimeError(f"{what} failed (a peer died or stalled past the process group's timeout): {error}")
+
+
+def _wait(works: list[tuple[str, Any]]) -> None:
+    """Wait for ``(what, work)`` pairs; a failed one raises :func:`_collective_failed`."""
+    for what, work in works:
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo/NCCL errors and DistBackendError (a subclass)
+            raise _collective_failed(what, e) from e

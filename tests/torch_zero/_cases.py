@@ -378,6 +378,8 @@ def ranks_disagree(rank, world_size):
     except ValueError as e:
         raised = str(e)
     assert (raised is None) == (world_size == 1), raised
+    if world_size > 1:  # rolled back: no group that the local optimizer lacks
+        assert len(opt.param_groups) == len(opt.optim.param_groups) == len(opt.partition.per_rank[rank]) == 1
 
 
 class SGDWithStepKwarg(torch.optim.SGD):

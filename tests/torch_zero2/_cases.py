@@ -299,6 +299,35 @@ def failed_step(rank: int, world_size: int, *, mode: str) -> None:
             torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"step {step}: {name}")
 
 
+def failed_step_one_rank(rank: int, world_size: int) -> None:
+    """ZeRO2's local step raises on rank 0 only: rank 0 raises with its slices unchanged, the
+    other ranks' gathers still pair up (no hang), every rank ends with the same parameters, and
+    the next steps work."""
+    model = make_model()
+    ddp_module = DistributedDataParallel(model, bucket_cap_mb=0.0002)
+    opt = ZeRO2(ddp_module, FailingAdam, lr=0.01)
+    for step in range(4):
+        ddp_module(batch(rank, step)).pow(2).mean().backward()
+        mine = [opt._my_slice(b).clone() for b in range(len(opt._flat_params))]
+        FailingAdam.FAIL = step == 2 and rank == 0  # after DDP rebuilt its buckets (step 1)
+        try:
+            opt.step()
+        except FloatingPointError as e:
+            assert FailingAdam.FAIL and "nan guard" in str(e), (step, e)
+            for b, before in enumerate(mine):
+                assert torch.equal(opt._my_slice(b), before), f"step {step}: a failed step moved bucket {b}"
+        else:
+            assert not FailingAdam.FAIL, f"step {step}: the failing step did not raise"
+        finally:
+            FailingAdam.FAIL = False
+        opt.zero_grad()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(everyone, flat)
+        for r, other in enumerate(everyone):
+            assert torch.equal(other, flat), f"step {step}: rank {r}'s parameters differ from rank {rank}'s"
+
+
 def overlap_state_dicts(rank: int, world_size: int, *, hook: str, shard_buckets: bool, ddp: str) -> None:
     """With overlap, the consolidated state_dict equals the plain optimizer's (torch's format);
     loading a perturbed one, into the running hook and into a fresh one before its first
@@ -390,6 +419,7 @@ CASES.update({f"overlap[{h}-{'shard' if s else 'whole'}-{d}-first]": functools.p
     for h, s, d in (("step", False, "default"), ("interleaved", False, "static_graph"),
                     ("step", True, "default"), ("interleaved", True, "three_buckets_view"))})
 CASES.update({f"failed_step[{m}]": functools.partial(failed_step, mode=m) for m in ("zero2", *HOOKS)})
+CASES["failed_step_one_rank[zero2]"] = failed_step_one_rank
 CASES["overlap_step_is_a_no_op"] = overlap_step_is_a_no_op
 CASES.update({f"overlap_join[{h}-{'shard' if s else 'whole'}-{d}]": functools.partial(
     overlap_join, hook=h, shard_buckets=s, ddp=d)
