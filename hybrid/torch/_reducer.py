@@ -6,14 +6,15 @@ these methods move tensors and issue the collectives (torch's C++ ``Reducer``).
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 import torch
 import torch.distributed as dist
 
 from hybrid import kernels
+from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
-from hybrid.torch._ddp_parts import GradBucket
+from hybrid.torch._ddp_parts import GradBucket, specs
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -29,6 +30,25 @@ def _hook_tensor(value, b: int) -> torch.Tensor:
 
 class Reducer:
     """Mixed into :class:`hybrid.torch.DistributedDataParallel`, which owns the attributes used."""
+
+    def _init_reducer(self) -> None:
+        """A fresh reducer over ``self._params``: initial plan, empty state, one hook per parameter
+        (torch's ``_ddp_init_helper``; also what unpickling runs, as torch's ``__setstate__``)."""
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._iteration = 0
+        self._delaying = False
+        self._comm_hook: tuple[object, Callable] | None = None
+        self._has_rebuilt = False
+        self._last_order = None
+        self._expect_hooks = False
+        self._state: ReducerState | None = None
+        self._static_unused: tuple[int, ...] | None = None  # static_graph: found in iteration 1
+        self._static_globally_unused: set[int] | None = None
+        self._futures: list = []
+        self._used_work = None
+        self._set_plan(plan_buckets(specs(self.module), size_limits=self._initial_limits))
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     def _make_hook(self, index: int):
         on_ready = self._on_ready  # bound once, not on every gradient

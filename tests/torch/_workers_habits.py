@@ -1,0 +1,103 @@
+"""Worker processes for tests/torch/test_ddp_habits.py: what torch users do with a DDP model
+(pickle it, accumulate with no_sync, set a static graph late, built-in hooks), torch's class and
+ours one after the other in the same gloo processes, results saved per rank."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from _workers import MLP, Unused, _data, _init, _loss  # noqa: F401 - Unused for the test
+from hybrid.torch import DistributedDataParallel as HybridDDP
+
+
+def _model(name, rank):
+    torch.manual_seed(0)
+    model = {"mlp": MLP, "unused": Unused}[name]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank * 0.01)  # different per rank: DDP's initial broadcast must fix it
+    return model
+
+
+def _step(ddp, opt, rank, step, name, extra=None):
+    kw = {"use_extra": rank == 0 if extra is None else extra} if name == "unused" else {}
+    x, y = _data(rank, step, name)
+    _loss(ddp(x, **kw), y).backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in ddp.module.parameters()]
+    opt.step()
+    opt.zero_grad()
+    return grads
+
+
+def _torch_save_load(ddp):
+    buf = io.BytesIO()
+    torch.save(ddp, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda d: pickle.loads(pickle.dumps(d)),
+          "torch_save": _torch_save_load}
+
+
+def pickling(cls, rank, world, how, model_name, kwargs):
+    """Two steps, copy the wrapped model, two more steps on the copy (a fresh optimizer)."""
+    ddp = cls(_model(model_name, rank), **kwargs)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(2):
+        _step(ddp, opt, rank, step, model_name)
+    # "rewrap": a new DDP around a copy of the module, the reference where torch's own copy fails.
+    twin = cls(copy.deepcopy(ddp.module), **kwargs) if how == "rewrap" else COPIES[how](ddp)
+    assert twin.module is not ddp.module
+    opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    grads = [_step(twin, opt, rank, step, model_name) for step in range(2, 5)]
+    return {"params": [p.detach().clone() for p in twin.module.parameters()], "grads": grads,
+            "original": [p.detach().clone() for p in ddp.module.parameters()]}
+
+
+def pickling_subgroup(cls, rank, world):
+    """torch refuses to pickle a DDP over a process group other than the default one."""
+    group = dist.new_group(list(range(world)))
+    ddp = cls(MLP(), process_group=group)
+    copy.deepcopy(ddp)
+
+
+CASES = {
+    **{f"pickle_{how}_{m}_{tag}": (pickling, (how, m, kw))
+       for how in COPIES
+       for m, tag, kw in (("mlp", "plain", {}), ("mlp", "static", {"static_graph": True}),
+                          ("unused", "find_unused", {"find_unused_parameters": True}))},
+    "pickle_rewrap_mlp_static": (pickling, ("rewrap", "mlp", {"static_graph": True})),
+    "pickle_subgroup": (pickling_subgroup, ()),
+
+}
+
+
+def habits_worker(rank, world, port, outdir, case_names):
+    _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
+    results = {}
+    for name in case_names:
+        fn, args = CASES[name]
+        out = {}
+        for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    out[label] = {"result": fn(cls, rank, world, *args)}
+                except Exception as e:  # noqa: BLE001 - compared with torch's outcome by the test
+                    out[label] = {"error": (type(e).__name__, str(e)), "traceback": traceback.format_exc()}
+            out[label]["warnings"] = [str(w.message) for w in caught
+                                      if not issubclass(w.category, (FutureWarning, DeprecationWarning))]
+            dist.barrier()
+        results[name] = out
+    torch.save(results, os.path.join(outdir, f"habits_rank{rank}.pt"))
+    dist.destroy_process_group()
