@@ -46,6 +46,7 @@ class Reducer:
         self._static_globally_unused: set[int] | None = None
         self._futures: list = []
         self._used_work = None
+        self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
         self._set_plan(plan_buckets(specs(self.module), size_limits=self._initial_limits))
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -58,6 +59,10 @@ class Reducer:
             # no_sync() is reduced even when its backward runs inside the block.
             if self._expect_hooks:
                 on_ready(index, param)
+            elif self.find_unused_parameters:
+                # torch's locally-used map: a gradient accumulated under no_sync() counts as used
+                # until the synchronizing backward, which reduces it on every rank.
+                self._used_in_window.add(index)
         return hook
 
     def _on_ready(self, index: int, param) -> None:
@@ -93,7 +98,8 @@ class Reducer:
             # torch all-reduces the local-used map right after the last bucket launches.
             used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
             for i in self._pending_unused:
-                used[i] = 0
+                if i not in self._used_in_window:
+                    used[i] = 0
             self._local_used = used
             self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
 
@@ -202,6 +208,7 @@ class Reducer:
             self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
                 if self.static_graph else state.ready_order
         self._futures = []
+        self._used_in_window.clear()
         self._expect_hooks = False
 
     def _write_back(self, b: int, skip: Set[int]) -> None:

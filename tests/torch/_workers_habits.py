@@ -71,6 +71,20 @@ def pickling_subgroup(cls, rank, world):
     copy.deepcopy(ddp)
 
 
+def no_sync_unused(cls, rank, world, kwargs):
+    """find_unused_parameters with accumulation: ``sometimes`` is used by rank 0 inside no_sync()
+    only, by no rank in the synchronizing micro-batch; ``never`` by no rank at all."""
+    ddp = cls(_model("unused", rank), find_unused_parameters=True, **kwargs)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    grads = []
+    for step in range(3):
+        with ddp.no_sync():
+            x, y = _data(rank, 10 * step, "unused")
+            _loss(ddp(x, use_extra=rank == 0), y).backward()
+        grads.append(_step(ddp, opt, rank, 10 * step + 1, "unused", extra=False))
+    return {"params": [p.detach().clone() for p in ddp.module.parameters()], "grads": grads}
+
+
 CASES = {
     **{f"pickle_{how}_{m}_{tag}": (pickling, (how, m, kw))
        for how in COPIES
@@ -78,7 +92,8 @@ CASES = {
                           ("unused", "find_unused", {"find_unused_parameters": True}))},
     "pickle_rewrap_mlp_static": (pickling, ("rewrap", "mlp", {"static_graph": True})),
     "pickle_subgroup": (pickling_subgroup, ()),
-
+    "no_sync_unused": (no_sync_unused, ({},)),
+    "no_sync_unused_view": (no_sync_unused, ({"gradient_as_bucket_view": True},)),
 }
 
 

@@ -79,3 +79,20 @@ def test_pickle_needs_the_default_group_like_torch(runs, world):
         assert ref["error"][0] == ours["error"][0] == "RuntimeError", (ref, ours)
         assert "only supported when using DDP with the default process group" in ours["error"][1]
 
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", ["no_sync_unused", "no_sync_unused_view"])
+def test_no_sync_counts_a_parameter_used_in_any_micro_batch(runs, world, case):
+    # torch's locally-used map accumulates over the no_sync() window until the synchronizing
+    # backward: ``sometimes``, used on rank 0 inside no_sync() only, is reduced and every rank ends
+    # with the same gradient for it; ``never`` stays None everywhere.
+    results = _results(runs, world, case)
+    for ref, ours in results:
+        _close(ours["grads"], ref["grads"])
+        _close(ours["params"], ref["params"])
+    first = results[0][1]["grads"]
+    for _, ours in results[1:]:
+        _close(ours["grads"], first)
+    names = [n for n, _ in _workers_habits.Unused().named_parameters()]
+    last = dict(zip(names, first[-1]))
+    assert last["never.weight"] is None and last["sometimes.weight"] is not None
