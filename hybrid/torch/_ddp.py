@@ -21,6 +21,7 @@ from hybrid.core import BucketPlan, ddp_size_limits, rebuild_plan
 from hybrid.core._reducer_state import start_iteration
 from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
 from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
+from hybrid.torch._ddp_api import TorchMethods
 from hybrid.torch._ddp_join import _JoinHook
 from hybrid.torch._ddp_pickle import Pickling
 from hybrid.torch._reducer import Reducer
@@ -36,7 +37,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(Pickling, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -282,6 +283,8 @@ class DistributedDataParallel(Pickling, Reducer, nn.Module, Joinable):
 
     @torch.compiler.disable
     def _post_forward(self, out, grad_sync: bool) -> None:
+        # torch's: a forward without backward sync (no_sync(), no_grad) skips the next buffer sync.
+        self.require_forward_param_sync = grad_sync
         if grad_sync:
             self._state = self._start_state
             self._iteration += 1
@@ -364,9 +367,6 @@ class DistributedDataParallel(Pickling, Reducer, nn.Module, Joinable):
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hook = (state, hook)
         self._update_copy_policy()
-
-    def _get_ddp_logging_data(self):
-        return {"bucket_sizes": [b.nbytes for b in self.bucket_plan.buckets]}
 
     # ---- Join -------------------------------------------------------------------------------
 

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from _workers import MLP, Unused, _data, _init, _loss  # noqa: F401 - Unused for the test
+from _workers import MLP, ConvBN, Unused, _data, _init, _loss  # noqa: F401 - Unused for the test
 from hybrid.torch import DistributedDataParallel as HybridDDP
 
 
 def _model(name, rank):
     torch.manual_seed(0)
-    model = {"mlp": MLP, "unused": Unused}[name]()
+    model = {"mlp": MLP, "unused": Unused, "conv_bn": ConvBN, "wide": lambda: MLP(width=64, depth=5)}[name]()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(rank * 0.01)  # different per rank: DDP's initial broadcast must fix it
@@ -85,6 +85,64 @@ def no_sync_unused(cls, rank, world, kwargs):
     return {"params": [p.detach().clone() for p in ddp.module.parameters()], "grads": grads}
 
 
+def _train(ddp, rank, model_name, steps=4, extra=None):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    grads = [_step(ddp, opt, rank, step, model_name, extra) for step in range(steps)]
+    return {"params": [p.detach().clone() for p in ddp.module.parameters()], "grads": grads}
+
+
+def static_late(cls, rank, world, model_name, kwargs):
+    """``_set_static_graph()`` right after construction, as Lightning-style trainers call it."""
+    ddp = cls(_model(model_name, rank), **kwargs)
+    ddp._set_static_graph()
+    return _train(ddp, rank, model_name, extra=False)  # the same graph every step
+
+
+def static_late_after_training(cls, rank, world):
+    ddp = cls(_model("mlp", rank))
+    _train(ddp, rank, "mlp", steps=1)
+    ddp._set_static_graph()
+
+
+def static_twice(cls, rank, world):
+    cls(_model("mlp", rank), static_graph=True)._set_static_graph()
+
+
+def builtin_hook(cls, rank, world, hook_type):
+    ddp = cls(_model("wide", rank), bucket_cap_mb=0.01)
+    ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook_type))
+    return _train(ddp, rank, "wide")
+
+
+def will_sync(cls, rank, world):
+    """will_sync_module_buffers() along forwards with and without sync, and the buffers of a
+    BatchNorm model trained with no_sync() accumulation and an eval forward between steps."""
+    seen = [cls(_model("mlp", rank)).will_sync_module_buffers(),
+            cls(_model("conv_bn", rank), broadcast_buffers=False).will_sync_module_buffers()]
+    ddp = cls(_model("conv_bn", rank))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    seen.append(ddp.will_sync_module_buffers())
+    for step in range(3):
+        with ddp.no_sync():
+            x, y = _data(rank, 10 * step, "conv_bn")
+            _loss(ddp(x), y).backward()
+        seen.append(ddp.will_sync_module_buffers())
+        _step(ddp, opt, rank, 10 * step + 1, "conv_bn")
+        seen.append(ddp.will_sync_module_buffers())
+        with torch.no_grad():
+            ddp(_data(rank, 10 * step + 2, "conv_bn")[0])
+        seen.append(ddp.will_sync_module_buffers())
+    return {"seen": seen, "buffers": [b.detach().clone() for b in ddp.module.buffers()],
+            "params": [p.detach().clone() for p in ddp.module.parameters()]}
+
+
+def logging_data(cls, rank, world, kwargs):
+    ddp = cls(_model("wide", rank), **kwargs)
+    before = ddp._get_ddp_logging_data()
+    _train(ddp, rank, "wide", steps=2)
+    return {"before": before, "after": ddp._get_ddp_logging_data()}
+
+
 CASES = {
     **{f"pickle_{how}_{m}_{tag}": (pickling, (how, m, kw))
        for how in COPIES
@@ -93,6 +151,17 @@ CASES = {
     "pickle_rewrap_mlp_static": (pickling, ("rewrap", "mlp", {"static_graph": True})),
     "pickle_subgroup": (pickling_subgroup, ()),
     "no_sync_unused": (no_sync_unused, ({},)),
+    "static_late_mlp": (static_late, ("mlp", {})),
+    "static_late_unused": (static_late, ("unused", {})),
+    "static_late_find_unused": (static_late, ("unused", {"find_unused_parameters": True})),
+    "static_late_reference": (static_late, ("unused", {"static_graph": True})),
+    "static_late_after_training": (static_late_after_training, ()),
+    "static_twice": (static_twice, ()),
+    "builtin_ALLREDUCE": (builtin_hook, ("ALLREDUCE",)),
+    "builtin_FP16_COMPRESS": (builtin_hook, ("FP16_COMPRESS",)),
+    "will_sync": (will_sync, ()),
+    "logging": (logging_data, ({"bucket_cap_mb": 0.004},)),
+    "logging_defaults": (logging_data, ({},)),
     "no_sync_unused_view": (no_sync_unused, ({"gradient_as_bucket_view": True},)),
 }
 

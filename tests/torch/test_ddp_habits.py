@@ -96,3 +96,59 @@ def test_no_sync_counts_a_parameter_used_in_any_micro_batch(runs, world, case):
     names = [n for n, _ in _workers_habits.Unused().named_parameters()]
     last = dict(zip(names, first[-1]))
     assert last["never.weight"] is None and last["sometimes.weight"] is not None
+
+
+def _outcomes(runs, world, case):
+    """(torch's, ours) raw outcome (result or error, and warnings) on every rank."""
+    return [(res[case]["torch"], res[case]["hybrid"]) for res in runs[world]]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", ["static_late_mlp", "static_late_unused", "static_late_find_unused"])
+def test_set_static_graph_after_construction_like_torch(runs, world, case):
+    # ddp._set_static_graph() before the first forward trains as static_graph=True does.
+    for ref, ours in _results(runs, world, case):
+        _close(ours["grads"], ref["grads"])
+        _close(ours["params"], ref["params"])
+    for ref, ours in _outcomes(runs, world, case):
+        assert ours["warnings"] == ref["warnings"]  # find_unused_parameters: torch's warning
+    if case != "static_late_mlp":
+        for (_, late), (ref, _) in zip(_results(runs, world, case), _results(runs, world, "static_late_reference")):
+            _close(late["params"], ref["params"])
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_set_static_graph_rules_like_torch(runs, world):
+    for ref, ours in _outcomes(runs, world, "static_late_after_training"):
+        assert ours["error"] == ref["error"] and ref["error"][0] == "RuntimeError", (ours, ref)
+    for ref, ours in _outcomes(runs, world, "static_twice"):
+        assert ours["warnings"] == ref["warnings"] == ["You've set static_graph to be True, no need to set it again."]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", ["builtin_ALLREDUCE", "builtin_FP16_COMPRESS"])
+def test_builtin_comm_hooks_like_torch(runs, world, case):
+    for ref, ours in _results(runs, world, case):
+        _close(ours["grads"], ref["grads"])
+        _close(ours["params"], ref["params"])
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_will_sync_module_buffers_like_torch(runs, world):
+    # torch syncs buffers at a forward only when the previous forward was a synchronizing one:
+    # not after a no_sync() forward nor after a no_grad (eval) forward.
+    for ref, ours in _results(runs, world, "will_sync"):
+        assert ours["seen"] == ref["seen"]
+        _close(ours["buffers"], ref["buffers"])
+        _close(ours["params"], ref["params"])
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", ["logging", "logging_defaults"])
+def test_logging_data_keys_like_torch(runs, world, case):
+    # Ours is the construction-time subset of torch's keys; each value as torch's, before and
+    # after training (bucket_sizes: the buckets in use, rebuilt after the first iteration).
+    for ref, ours in _results(runs, world, case):
+        for when in ("before", "after"):
+            assert set(ours[when]) <= set(ref[when])
+            assert ours[when] == {k: ref[when][k] for k in ours[when]}, when
