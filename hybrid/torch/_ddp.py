@@ -66,7 +66,6 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
         _unsupported("delay_all_reduce_named_params", delay_all_reduce_named_params, None)
         _unsupported("mixed_precision", mixed_precision, None)
         _unsupported("device_mesh", device_mesh, None)
-        _unsupported("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False)
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                           "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
@@ -112,6 +111,8 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        # The user promises the same unused parameters on every rank: the used map stays local.
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 

@@ -101,7 +101,8 @@ class Reducer:
                 if i not in self._used_in_window:
                     used[i] = 0
             self._local_used = used
-            self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
+            if not self.skip_all_reduce_unused_params:
+                self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
 
     # From this many elements on, scaling while copying in the hook (one pass over memory, torch's
     # mul_out) beats a batched copy and a multiply at launch; below it per-call overhead dominates.

@@ -136,6 +136,13 @@ def will_sync(cls, rank, world):
             "params": [p.detach().clone() for p in ddp.module.parameters()]}
 
 
+def skip_unused(cls, rank, world, kwargs):
+    """skip_all_reduce_unused_params=True: the same parameters unused on every rank (torch's
+    requirement), so the used map need not be all-reduced."""
+    ddp = cls(_model("unused", rank), find_unused_parameters=True, skip_all_reduce_unused_params=True, **kwargs)
+    return _train(ddp, rank, "unused", extra=False)
+
+
 def logging_data(cls, rank, world, kwargs):
     ddp = cls(_model("wide", rank), **kwargs)
     before = ddp._get_ddp_logging_data()
@@ -160,6 +167,8 @@ CASES = {
     "builtin_ALLREDUCE": (builtin_hook, ("ALLREDUCE",)),
     "builtin_FP16_COMPRESS": (builtin_hook, ("FP16_COMPRESS",)),
     "will_sync": (will_sync, ()),
+    "skip_unused": (skip_unused, ({},)),
+    "skip_unused_view": (skip_unused, ({"gradient_as_bucket_view": True},)),
     "logging": (logging_data, ({"bucket_cap_mb": 0.004},)),
     "logging_defaults": (logging_data, ({},)),
     "no_sync_unused_view": (no_sync_unused, ({"gradient_as_bucket_view": True},)),

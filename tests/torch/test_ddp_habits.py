@@ -126,8 +126,10 @@ def test_set_static_graph_rules_like_torch(runs, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("case", ["builtin_ALLREDUCE", "builtin_FP16_COMPRESS"])
-def test_builtin_comm_hooks_like_torch(runs, world, case):
+@pytest.mark.parametrize("case", ["builtin_ALLREDUCE", "builtin_FP16_COMPRESS", "skip_unused", "skip_unused_view"])
+def test_builtin_comm_hooks_and_skip_unused_like_torch(runs, world, case):
+    # _register_builtin_comm_hook(ALLREDUCE / FP16_COMPRESS); skip_all_reduce_unused_params=True
+    # with the same parameters unused on every rank (torch's requirement for it).
     for ref, ours in _results(runs, world, case):
         _close(ours["grads"], ref["grads"])
         _close(ours["params"], ref["params"])
@@ -152,3 +154,4 @@ def test_logging_data_keys_like_torch(runs, world, case):
         for when in ("before", "after"):
             assert set(ours[when]) <= set(ref[when])
             assert ours[when] == {k: ref[when][k] for k in ours[when]}, when
+
