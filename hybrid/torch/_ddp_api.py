@@ -54,6 +54,19 @@ class TorchMethods:
                              f"{sorted(map(str, _BUILTIN_HOOKS))}")
         self.register_comm_hook(self.process_group, _BUILTIN_HOOKS[comm_hook_type])
 
+    def _register_buffer_comm_hook(self, state, hook, comm_hook_location=None) -> None:
+        raise NotImplementedError(
+            "hybrid.torch.DistributedDataParallel does not support _register_buffer_comm_hook: pass "
+            "forward_sync_buffers=False and reduce ddp.module's buffers yourself after the forward "
+            "(e.g. dist.all_reduce on each buffer), or keep the default broadcast from rank 0")
+
+    def _register_fused_optim(self, optim, *args, optim_params=None, **kwargs) -> None:
+        raise NotImplementedError(
+            "hybrid.torch.DistributedDataParallel does not support _register_fused_optim: call your "
+            "optimizer's step() after backward() (the gradients are reduced by then), or use "
+            "hybrid.torch.ZeroRedundancyOptimizer with overlap_with_ddp for an update overlapped "
+            "with the backward pass")
+
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the module's buffers (torch's rule)."""
         return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync)
