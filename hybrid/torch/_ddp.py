@@ -17,11 +17,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from hybrid.core import BucketPlan, ddp_size_limits, plan_buckets, rebuild_plan
-from hybrid.core._reducer_state import ReducerState, start_iteration
+from hybrid.core import BucketPlan, ddp_size_limits, rebuild_plan
+from hybrid.core._reducer_state import start_iteration
 from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
 from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
+from hybrid.torch._ddp_api import TorchMethods
 from hybrid.torch._ddp_join import _JoinHook
+from hybrid.torch._ddp_pickle import Pickling
 from hybrid.torch._reducer import Reducer
 from hybrid.torch import _compile  # torch.compile(ddp) splits graphs at the plan's bucket boundaries
 
@@ -35,7 +37,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(Reducer, nn.Module, Joinable):
+class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -64,7 +66,6 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
         _unsupported("delay_all_reduce_named_params", delay_all_reduce_named_params, None)
         _unsupported("mixed_precision", mixed_precision, None)
         _unsupported("device_mesh", device_mesh, None)
-        _unsupported("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False)
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                           "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
@@ -110,20 +111,17 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        # The user promises the same unused parameters on every rank: the used map stays local.
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
-        self._world = dist.get_world_size(self.process_group)
-        self._rank = dist.get_rank(self.process_group)
-        self._set_div_factor(self._world)
+        self._set_world()
         self._divide_by_initial_world_size = True
         self.batched_grad_copy = batched_grad_copy
-        self._iteration = 0
-        self._delaying = False
         self._init_sync_buffers = init_sync_buffers
 
         # What decides the bucket layout, as the user spelled it: ranks must agree on it.
@@ -144,16 +142,7 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
             self._init_sync_buffers = init_sync_buffers
             self._sync_module_states(0)
 
-        self._comm_hook: tuple[object, Callable] | None = None
-        self._has_rebuilt = False
-        self._state: ReducerState | None = None
-        self._static_unused: tuple[int, ...] | None = None  # static_graph: found in iteration 1
-        self._static_globally_unused: set[int] | None = None
-        self._futures: list = []
-        self._used_work = None
-        self._set_plan(plan_buckets(specs(module), size_limits=self._initial_limits))
-        for i, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._init_reducer()
 
     # ---- plan and buffers -------------------------------------------------------------------
 
@@ -188,6 +177,11 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
         """Which gradients the hook copies (fused with the scale) rather than ``_fill_bucket``."""
         fuse = not (self.batched_grad_copy or self._kernel_copy or self._comm_hook is not None)
         self._fuse_at_hook = [fuse and p.numel() >= self._FUSED_SCALE_NUMEL for p in self._params]
+
+    def _set_world(self) -> None:
+        self._world = dist.get_world_size(self.process_group)
+        self._rank = dist.get_rank(self.process_group)
+        self._set_div_factor(self._world)
 
     def _set_div_factor(self, n: int) -> None:
         self._div_factor, self._inv_div = n, 1.0 / n
@@ -290,6 +284,8 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
 
     @torch.compiler.disable
     def _post_forward(self, out, grad_sync: bool) -> None:
+        # torch's: a forward without backward sync (no_sync(), no_grad) skips the next buffer sync.
+        self.require_forward_param_sync = grad_sync
         if grad_sync:
             self._state = self._start_state
             self._iteration += 1
@@ -372,9 +368,6 @@ class DistributedDataParallel(Reducer, nn.Module, Joinable):
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hook = (state, hook)
         self._update_copy_policy()
-
-    def _get_ddp_logging_data(self):
-        return {"bucket_sizes": [b.nbytes for b in self.bucket_plan.buckets]}
 
     # ---- Join -------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ class _JoinHook(JoinHook):
             works = [ddp._run_comm_hook(b, torch.zeros_like(buf)) for b, buf in enumerate(ddp._bufs)]
         for w in works:
             w.wait()
-        if ddp.find_unused_parameters and not ddp.static_graph:
+        if ddp.find_unused_parameters and not ddp.static_graph and not ddp.skip_all_reduce_unused_params:
             dist.all_reduce(torch.zeros(len(ddp._params), dtype=torch.int32, device=ddp.device),
                             group=ddp.process_group)
 

@@ -6,14 +6,15 @@ these methods move tensors and issue the collectives (torch's C++ ``Reducer``).
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 import torch
 import torch.distributed as dist
 
 from hybrid import kernels
+from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
-from hybrid.torch._ddp_parts import GradBucket
+from hybrid.torch._ddp_parts import GradBucket, specs
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -30,6 +31,26 @@ def _hook_tensor(value, b: int) -> torch.Tensor:
 class Reducer:
     """Mixed into :class:`hybrid.torch.DistributedDataParallel`, which owns the attributes used."""
 
+    def _init_reducer(self) -> None:
+        """A fresh reducer over ``self._params``: initial plan, empty state, one hook per parameter
+        (torch's ``_ddp_init_helper``; also what unpickling runs, as torch's ``__setstate__``)."""
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._iteration = 0
+        self._delaying = False
+        self._comm_hook: tuple[object, Callable] | None = None
+        self._has_rebuilt = False
+        self._last_order = None
+        self._expect_hooks = False
+        self._state: ReducerState | None = None
+        self._static_unused: tuple[int, ...] | None = None  # static_graph: found in iteration 1
+        self._static_globally_unused: set[int] | None = None
+        self._futures: list = []
+        self._used_work = None
+        self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
+        self._set_plan(plan_buckets(specs(self.module), size_limits=self._initial_limits))
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+
     def _make_hook(self, index: int):
         on_ready = self._on_ready  # bound once, not on every gradient
 
@@ -38,6 +59,10 @@ class Reducer:
             # no_sync() is reduced even when its backward runs inside the block.
             if self._expect_hooks:
                 on_ready(index, param)
+            elif self.find_unused_parameters:
+                # torch's locally-used map: a gradient accumulated under no_sync() counts as used
+                # until the synchronizing backward, which reduces it on every rank.
+                self._used_in_window.add(index)
         return hook
 
     def _on_ready(self, index: int, param) -> None:
@@ -73,9 +98,11 @@ class Reducer:
             # torch all-reduces the local-used map right after the last bucket launches.
             used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
             for i in self._pending_unused:
-                used[i] = 0
+                if i not in self._used_in_window:
+                    used[i] = 0
             self._local_used = used
-            self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
+            if not self.skip_all_reduce_unused_params:
+                self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
 
     # From this many elements on, scaling while copying in the hook (one pass over memory, torch's
     # mul_out) beats a batched copy and a multiply at launch; below it per-call overhead dominates.
@@ -182,6 +209,7 @@ class Reducer:
             self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
                 if self.static_graph else state.ready_order
         self._futures = []
+        self._used_in_window.clear()
         self._expect_hooks = False
 
     def _write_back(self, b: int, skip: Set[int]) -> None:

@@ -1,0 +1,98 @@
+"""torch's smaller ``DistributedDataParallel`` methods that trainers call after construction:
+``_set_static_graph``, ``_register_builtin_comm_hook``, ``will_sync_module_buffers``,
+``_get_ddp_logging_data``."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from hybrid.core import plan_buckets
+from hybrid.torch._ddp_parts import specs
+
+# torch's C++ built-in hooks and the Python hooks that compute the same thing: divide by the
+# world size, then all-reduce (FP16_COMPRESS: in float16, decompressed into the bucket).
+_BUILTIN_HOOKS = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                  dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+
+# c10's dtype names, as torch's logger spells them in "dtypes".
+_C10_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+              torch.bfloat16: "c10::BFloat16"}
+
+
+class TorchMethods:
+    """Mixed into :class:`hybrid.torch.DistributedDataParallel`."""
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction, before the first forward (torch's rules)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self._iteration > 0:
+            # torch also raises here (from its C++ reducer), though it has flipped its Python flag.
+            raise RuntimeError("set_static_graph() should be called before training loop starts and "
+                               "after DistributedDataParallel is constructed.")
+        self.static_graph = True
+        self._layout_settings["static_graph"] = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
+                "will detect unused parameters automatically, so you do not need to set "
+                "find_unused_parameters=true, just be sure these unused parameters will not change during "
+                "training loop while calling `_set_static_graph`.", stacklevel=2)
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``, ``FP16_COMPRESS``), run
+        as the Python hooks of ``default_hooks`` that compute the same result."""
+        if comm_hook_type not in _BUILTIN_HOOKS:
+            raise ValueError(f"Unknown built-in DDP comm hook type {comm_hook_type!r}; expected one of "
+                             f"{sorted(map(str, _BUILTIN_HOOKS))}")
+        self.register_comm_hook(self.process_group, _BUILTIN_HOOKS[comm_hook_type])
+
+    def _register_buffer_comm_hook(self, state, hook, comm_hook_location=None) -> None:
+        raise NotImplementedError(
+            "hybrid.torch.DistributedDataParallel does not support _register_buffer_comm_hook: pass "
+            "forward_sync_buffers=False and reduce ddp.module's buffers yourself after the forward "
+            "(e.g. dist.all_reduce on each buffer), or keep the default broadcast from rank 0")
+
+    def _register_fused_optim(self, optim, *args, optim_params=None, **kwargs) -> None:
+        raise NotImplementedError(
+            "hybrid.torch.DistributedDataParallel does not support _register_fused_optim: call your "
+            "optimizer's step() after backward() (the gradients are reduced by then), or use "
+            "hybrid.torch.ZeroRedundancyOptimizer with overlap_with_ddp for an update overlapped "
+            "with the backward pass")
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the module's buffers (torch's rule)."""
+        return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync)
+
+    def _get_ddp_logging_data(self) -> dict:
+        """The construction-time part of torch's logging data, with torch's keys and formats
+        (runtime timings and sampled per-iteration stats are not collected)."""
+        cap_mb = self._layout_settings["bucket_cap_mb"]
+        return {
+            "backend_name": dist.get_backend(self.process_group),
+            # The buckets built at construction, as torch logs them (ddp.bucket_plan: those in use).
+            "bucket_sizes": ", ".join(str(b.nbytes) for b in plan_buckets(
+                specs(self.module), size_limits=self._initial_limits).buckets),
+            "device_ids": ", ".join(map(str, self.device_ids or [])),
+            "dtypes": ", ".join(sorted({_C10_NAMES.get(p.dtype, str(p.dtype)) for p in self._params})),
+            "module_name": type(self.module).__name__,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": 25 * 1024 * 1024 if cap_mb is None else
+            (sys.maxsize if cap_mb < 0 else int(cap_mb * 1024 * 1024)),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())),
+            "is_multi_device_module": 0,
+            "num_parameter_tensors": len(self._params),
+            "output_device": -1 if self.output_device is None else int(self.output_device),
+            "rank": self._rank,
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._params),
+            "world_size": self._world,
+        }
