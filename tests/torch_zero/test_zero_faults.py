@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-import hybrid.torch  # noqa: F401 - imported once here, inherited by the forked ranks
 from tests.torch_zero._harness import free_port
 
 TIMEOUT_S = 5
@@ -99,9 +98,11 @@ def _fault_worker(mode, rank, port, out):
 
 
 def _spawn(target, args, num_reports):
-    # fork, not spawn: the children inherit the imported torch and hybrid (spawn's start-up is
-    # most of a case's time on a loaded 2-core machine); the parent never starts a process group.
-    ctx = mp.get_context("fork")
+    # forkserver: one clean server process, started once with torch and hybrid imported, forks
+    # every rank (spawn's start-up is most of a case's time on a loaded 2-core machine; a plain
+    # fork of this process would copy the threads JAX started in it, and their locks).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "hybrid.torch"])
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(*args, r, port, out), daemon=True) for r in range(2)]
