@@ -40,8 +40,11 @@ WORLD_SIZE = 2
 DEFAULT_WIDTHS = "1536,2048,1024,1536,768"
 
 
-def _plain_write(path: pathlib.Path, nbytes: int) -> None:
-    data = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
+def _bytes(nbytes: int) -> bytes:
+    return os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
+
+
+def _plain_write(path: pathlib.Path, data: bytes) -> float:
     t = time.perf_counter()
     with open(path, "wb") as f:
         f.write(data)
@@ -79,6 +82,7 @@ def _torch_worker(rank: int, port: int, widths, reps: int, root: str, out: str) 
     ckpt.save(path, ddp, opt, step=1)  # warm-up, and the file sizes to match
     files = sorted(path.glob("rank-*.safetensors"))
     mine = files[rank].stat().st_size
+    data = _bytes(mine)
     everything = [*files, path / "manifest.json"]
     for _ in range(reps):
         dist.barrier()
@@ -86,7 +90,7 @@ def _torch_worker(rank: int, port: int, widths, reps: int, root: str, out: str) 
         ckpt.save(path, ddp, opt, step=1)
         times["save"].append(time.perf_counter() - t)
         dist.barrier()
-        times["plain write"].append(_plain_write(pathlib.Path(root) / f"plain-{rank}", mine))
+        times["plain write"].append(_plain_write(pathlib.Path(root) / f"plain-{rank}", data))
         dist.barrier()
         t = time.perf_counter()
         ckpt.load(path, ddp, opt)
@@ -120,6 +124,7 @@ def _jax_bench(widths, reps: int, root: str) -> dict:
     ckpt.save(path, params, state, step=0)
     files = sorted(path.glob("rank-*.safetensors"))
     sizes = [f.stat().st_size for f in files]
+    data = [_bytes(n) for n in sizes]
     times = {k: [] for k in ("save", "plain write", "load", "plain read")}
     with concurrent.futures.ThreadPoolExecutor(WORLD_SIZE) as pool:
         for _ in range(reps):
@@ -127,7 +132,7 @@ def _jax_bench(widths, reps: int, root: str) -> dict:
             ckpt.save(path, params, state, step=0)
             times["save"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            list(pool.map(lambda r: _plain_write(pathlib.Path(root) / f"jax-plain-{r}", sizes[r]), range(WORLD_SIZE)))
+            list(pool.map(lambda r: _plain_write(pathlib.Path(root) / f"jax-plain-{r}", data[r]), range(WORLD_SIZE)))
             times["plain write"].append(time.perf_counter() - t)
             t = time.perf_counter()
             jax.block_until_ready(ckpt.load(path, params, state)[:2])
