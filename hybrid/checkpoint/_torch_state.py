@@ -138,12 +138,13 @@ def _slots_and_count(named, states: dict[int, dict[str, Any]]) -> tuple[dict[str
     return slots, (next(iter(counts.values())) if counts else None)
 
 
-def _fill_slots(named, slots, info) -> dict[str, dict[str, np.ndarray]]:
-    """Every expected slot for every parameter: zeros where no state exists yet (a fresh optimizer)."""
+def _fill_slots(params: dict[str, np.ndarray], slots, info) -> dict[str, dict[str, np.ndarray]]:
+    """Every expected slot for every parameter (``params``: name -> stored array): zeros where no
+    state exists yet (a fresh optimizer)."""
     if info is None:
         return {}
     unknown = sorted(set(slots) - set(info.slots))
     if unknown:
         raise CheckpointError(f"the optimizer holds state {unknown} beyond its known slots {list(info.slots)}")
-    return {s: {n: slots.get(s, {}).get(n, np.zeros_like(_numpy(p))) for n, p in named}
+    return {s: {n: slots.get(s, {}).get(n, np.zeros_like(p)) for n, p in params.items()}
             for s in info.slots}

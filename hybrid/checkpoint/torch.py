@@ -74,14 +74,12 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
     params = {n: _numpy(p) for n, p in named}
     if not distributed:
         return _save_whole(path, params, slots, count, info, plan, world_size or 1, step, stage, metadata)
-    return _save_distributed(path, named, params, slots, count, info, complete, plan, step, stage,
+    return _save_distributed(path, params, slots, count, info, complete, plan, step, stage,
                              process_group, metadata)
 
 
 def _save_whole(path, params, slots, count, info, plan, world_size, step, stage, metadata):
-    named = [(n, torch.from_numpy(a) if a.dtype != np.uint16 else torch.from_numpy(a.view(np.int16)).view(torch.bfloat16))
-             for n, a in params.items()]
-    full = _fill_slots(named, slots, info)
+    full = _fill_slots(params, slots, info)
     if info is not None:
         info = OptimizerInfo(info.name, info.slots, count or 0, info.hyperparameters)
     return save_arrays(path, params, world_size=world_size, step=step, slots=full, optimizer=info, plan=plan,
@@ -98,7 +96,7 @@ def _collective(path, what: str, fn, *args, **kwargs):
                            f"this path is untouched. Cause: {e}") from e
 
 
-def _save_distributed(path, named, params, slots, count, info, complete, plan, step, stage, group, metadata):
+def _save_distributed(path, params, slots, count, info, complete, plan, step, stage, group, metadata):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # One object collective settles what every rank must agree on before any data moves.
     mine = (count, sorted(slots))
@@ -119,7 +117,7 @@ def _save_distributed(path, named, params, slots, count, info, complete, plan, s
 
     all_arrays = {"params": [params[n] for n in names]}
     all_flats = {}
-    for slot, arrays in _fill_slots(named, slots, info).items():
+    for slot, arrays in _fill_slots(params, slots, info).items():
         if complete:
             all_arrays[slot] = [arrays[n] for n in names]
             continue
@@ -198,7 +196,7 @@ def save_state_dicts(path: str | os.PathLike, model_state_dict: dict[str, torch.
                   for g in optimizer_state_dict.get("param_groups", [])]
         info = OptimizerInfo(name, ("mu", "nu") if name in ("adam", "adamw") else tuple(sorted(slots)),
                              count if count is not None else (int(step) if slots else 0), {"param_groups": groups})
-        slots = _fill_slots(named, slots, info)
+        slots = _fill_slots(params, slots, info)
     specs = _specs([(n, model_state_dict[n]) for n in names])
     return save_arrays(path, params, world_size=world_size, step=step, slots=slots, optimizer=info,
                        plan=plan_buckets(specs), stage=0, framework="torch", metadata=metadata)

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hybrid.jax as hj
-from hybrid.core import plan_buckets
+from hybrid.jax._specs import _Layout
 from hybrid.demo._model import TrainConfig, TrainResult, global_batch, init_params, param_order
 
 AXIS = "dp"
@@ -65,6 +65,13 @@ def pin_jax_numerics() -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def zero_layout(config: TrainConfig) -> dict:
+    """The ``order`` and bucket caps :func:`make_optimizer` gives ``zero``: also what
+    ``hybrid.checkpoint.jax.save`` / ``load`` need to find the layout of its state."""
+    return dict(order=param_order(config.sizes), bucket_cap_bytes=config.bucket_cap_bytes,
+                first_bucket_cap_bytes=config.bucket_cap_bytes)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """``hybrid.jax.zero`` of optax's adam / adamw (after ``hybrid.jax.clip_by_global_norm``, exact
     on shards, when ``clip_norm``), with the torch side's caps and registration order.
@@ -79,15 +86,13 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         inner = optax.adamw(config.lr, b1=b1, b2=b2, eps=config.eps, weight_decay=config.weight_decay)
     if config.clip_norm is not None:
         inner = optax.chain(hj.clip_by_global_norm(config.clip_norm, AXIS), inner)
-    return hj.zero(inner, AXIS, stage=config.stage, bucket_cap_bytes=config.bucket_cap_bytes,
-                   first_bucket_cap_bytes=config.bucket_cap_bytes, order=param_order(config.sizes))
+    return hj.zero(inner, AXIS, stage=config.stage, **zero_layout(config))
 
 
 def plan_fingerprint(config: TrainConfig) -> str:
     """Fingerprint of the bucket plan ``make_optimizer(config)`` packs and shards by."""
     tree = jax_params(init_params(config.seed, config.sizes))
-    return plan_buckets(hj.specs(tree, order=param_order(config.sizes)), bucket_cap_bytes=config.bucket_cap_bytes,
-                        first_bucket_cap_bytes=config.bucket_cap_bytes).fingerprint()
+    return _Layout.of(tree, what="plan_fingerprint", **zero_layout(config)).plan.fingerprint()
 
 
 def host_mesh(num_devices: int) -> Mesh:
@@ -153,25 +158,18 @@ def train_jax_steps(run: JaxTraining, config: TrainConfig, start_step: int, stop
     return run._replace(params=params, state=state), np.asarray(losses)
 
 
-def checkpoint_layout(config: TrainConfig) -> dict:
-    """The ``order`` and bucket caps :func:`make_optimizer` gives ``zero``: what
-    ``hybrid.checkpoint.jax.save`` / ``load`` need to find the layout of its state."""
-    return dict(order=param_order(config.sizes), bucket_cap_bytes=config.bucket_cap_bytes,
-                first_bucket_cap_bytes=config.bucket_cap_bytes)
-
-
 def save_checkpoint(path: str, run: JaxTraining, config: TrainConfig, step: int):
     """Save ``run``'s params and zero state (every device's slices, one file each) at ``step``."""
     from hybrid.checkpoint import jax as checkpoint
     hyper = dict(lr=config.lr, betas=list(config.betas), eps=config.eps, weight_decay=config.weight_decay)
     return checkpoint.save(path, run.params, run.state, step=step, stage=config.stage, optimizer=config.optimizer,
-                           hyperparameters=hyper, metadata={"config": config.to_json()}, **checkpoint_layout(config))
+                           hyperparameters=hyper, metadata={"config": config.to_json()}, **zero_layout(config))
 
 
 def load_checkpoint(path: str, run: JaxTraining, config: TrainConfig) -> tuple[JaxTraining, int]:
     """``run`` with params and state loaded from a checkpoint (either frontend, any world size)."""
     from hybrid.checkpoint import jax as checkpoint
-    params, state, step = checkpoint.load(path, run.params, run.state, **checkpoint_layout(config))
+    params, state, step = checkpoint.load(path, run.params, run.state, **zero_layout(config))
     return run._replace(params=params, state=state), step
 
 
