@@ -36,19 +36,24 @@ def _spawn(fn, world, *args):
     return outdir
 
 
-class _Parity(dict):
-    """All parity cases of one world size, run in one spawn when a test first asks for them
-    (so each spawn counts against one test's timeout, not all three against the first)."""
+class LazyWorlds(dict):
+    """Every case of one world size run in one spawn when a test first asks for that world (so each
+    spawn counts against one test's timeout, not all three against the first): ``self[world]`` is
+    the list of the ranks' results, read from ``{prefix}_rank{r}.pt``."""
+
+    def __init__(self, worker, cases, prefix: str):
+        super().__init__()
+        self.worker, self.cases, self.prefix = worker, list(cases), prefix
 
     def __missing__(self, world):
-        outdir = _spawn(_workers.parity_worker, world, list(_workers.CASES))
-        self[world] = [torch.load(os.path.join(outdir, f"parity_rank{r}.pt")) for r in range(world)]
+        outdir = _spawn(self.worker, world, self.cases)
+        self[world] = [torch.load(os.path.join(outdir, f"{self.prefix}_rank{r}.pt")) for r in range(world)]
         return self[world]
 
 
 @pytest.fixture(scope="module")
 def parity():
-    return _Parity()
+    return LazyWorlds(_workers.parity_worker, _workers.CASES, "parity")
 
 
 def _check_no_error(out):

@@ -12,21 +12,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workers_habits  # noqa: E402
-from test_ddp import ATOL, RTOL, WORLD_SIZES, _spawn  # noqa: E402
-
-
-class _Runs(dict):
-    """Every case of one world size in one spawn, run when a test first asks for it."""
-
-    def __missing__(self, world):
-        outdir = _spawn(_workers_habits.habits_worker, world, list(_workers_habits.CASES))
-        self[world] = [torch.load(os.path.join(outdir, f"habits_rank{r}.pt")) for r in range(world)]
-        return self[world]
+from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return _Runs()
+    return LazyWorlds(_workers_habits.habits_worker, _workers_habits.CASES, "habits")
 
 
 def _results(runs, world, case):
