@@ -1,4 +1,48 @@
-"""Waiting for a group of launched processes, as the multi-process tests launch them."""
+"""Launching and waiting for groups of processes, as the multi-process tests do."""
+
+import multiprocessing as mp
+import queue
+import socket
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def forkserver_ranks(target, args, num_reports: int, *, world: int = 2, wait_s: float = 90):
+    """Start ``world`` ranks of ``target(*args, rank, port, queue)`` and collect ``num_reports``
+    ``(rank, outcome, seconds)`` reports from the queue; returns ``(reports, processes)``.
+
+    forkserver: one clean server process, started once with torch and hybrid imported, forks
+    every rank (spawn's start-up is most of a case's time on a loaded 2-core machine; a plain fork
+    of the test process would copy the threads JAX started in it, and their locks). Ranks still
+    alive after the reports are killed, so a hung rank never outlives its test.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "hybrid.torch"])
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(*args, r, port, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports = {}
+    try:
+        for _ in range(num_reports):
+            rank, outcome, seconds = out.get(timeout=wait_s)
+            reports[rank] = (outcome, seconds)
+    except queue.Empty:
+        pytest.fail(f"only {reports} reported within {wait_s} s")
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+    return reports, procs
 
 
 def finish(procs, what: str, *, timeout_s: float) -> list[str]:

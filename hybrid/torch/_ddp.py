@@ -21,9 +21,12 @@ from hybrid.core import BucketPlan, ddp_size_limits
 from hybrid.core._reducer_state import start_iteration
 from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
 from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
+from hybrid.torch._ddp_parts import unfinished_reduction_message
+from hybrid.torch._collectives import naming
 from hybrid.torch._ddp_api import TorchMethods
 from hybrid.torch._ddp_join import _JoinHook
 from hybrid.torch._ddp_pickle import Pickling
+from hybrid.torch._ddp_sink import through_sink
 from hybrid.torch._ddp_sync import RankAgreement
 from hybrid.torch._reducer import Reducer
 from hybrid.torch import _compile  # torch.compile(ddp) splits graphs at the plan's bucket boundaries
@@ -196,8 +199,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         # Under torch.compile the module runs compiled in pieces split at the bucket boundaries
         # (hybrid/torch/_compile.py); eagerly this is self.module(*inputs, **kwargs).
         out = _compile.forward_module(self, inputs, kwargs)
-        self._post_forward(out, grad_sync)
-        return out
+        return self._post_forward(out, grad_sync)
 
     @torch.compiler.disable
     def _pre_forward(self) -> bool:
@@ -208,7 +210,8 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
             self._ensure_prior_reduction_finished()
         work = Join.notify_join_context(self)
         if work is not None:
-            work.wait()
+            with naming("DistributedDataParallel forward (Join): the all-reduce that counts the ranks still training"):
+                work.wait()
             self._set_div_factor(self._world if self._divide_by_initial_world_size
                                  else int(work.result()[0].item()))
         if torch.is_grad_enabled():
@@ -220,7 +223,8 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         return grad_sync
 
     @torch.compiler.disable
-    def _post_forward(self, out, grad_sync: bool) -> None:
+    def _post_forward(self, out, grad_sync: bool):
+        """The output as the caller gets it; with find_unused_parameters, through torch's sink."""
         # torch's: a forward without backward sync (no_sync(), no_grad) skips the next buffer sync.
         self.require_forward_param_sync = grad_sync
         if grad_sync:
@@ -229,12 +233,18 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
             self._delaying = self.static_graph and self._static_unused is None
             self._futures = []
             self._pending_unused = ()
+            self._undefined_now = set()
             if self.find_unused_parameters and not self.static_graph:
                 reach = _reachable_params(out)
                 self._pending_unused = tuple(i for i, p in enumerate(self._params) if id(p) not in reach)
             elif self.static_graph and self._static_unused is not None:
                 self._pending_unused = self._static_unused  # found in the first iteration
             self._expect_hooks = True
+        if self.find_unused_parameters and not self.static_graph:
+            # Outputs the loss leaves out still reach the backward (with None gradients), so the
+            # parameters behind them report in as locally unused, as with torch's _DDPSink.
+            out = through_sink(out)
+        return out
 
     def _maybe_rebuild(self) -> None:
         if (not self._has_rebuilt and self._last_order is not None
@@ -248,23 +258,9 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
     def _ensure_prior_reduction_finished(self):
         state = self._state
         if self._expect_hooks and state is not None and state.started and not state.finished:
-            missing = state.missing()
-            # torch's two texts: with static_graph a missing gradient means the graph changed.
-            why = ("This error indicates that your training graph has changed in this iteration, e.g., "
-                   "one parameter is used in first iteration, but then got unused in the second "
-                   "iteration. this is not compatible with static_graph set to True.\n"
-                   if self.static_graph else
-                   "This error indicates that your module has parameters that were not used in producing "
-                   "loss. You can enable unused parameter detection by passing the keyword argument "
-                   "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by "
-                   "making sure all `forward` function outputs participate in calculating loss.\n")
-            raise RuntimeError(
-                "Expected to have finished reduction in the prior iteration before starting a new one. "
-                + why +
-                f"Parameter indices which did not receive grad for rank {self._rank}: "
-                f"{' '.join(map(str, missing))}\n"
-                f"Parameters which did not receive grad for rank {self._rank}: "
-                f"{', '.join(self._names[i] for i in missing)}")
+            raise RuntimeError(unfinished_reduction_message(
+                self._rank, state.missing(), self._names, static_graph=self.static_graph,
+                find_unused_parameters=self.find_unused_parameters))
 
     # ---- backward ---------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core import rebuild_plan
+from hybrid.torch._collectives import naming
 
 _MB = 1024 * 1024
 _BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
@@ -23,7 +24,8 @@ class RankAgreement:
         if self._world == 1:
             return
         everyone = [None] * self._world
-        dist.all_gather_object(everyone, (mine, self._layout_settings), group=self.process_group)
+        with naming("DistributedDataParallel(): the all-gather of every rank's parameter shapes"):
+            dist.all_gather_object(everyone, (mine, self._layout_settings), group=self.process_group)
         (ref, ref_settings) = everyone[0]
         for r, (theirs, settings) in enumerate(everyone):
             if len(theirs) != len(ref):
@@ -49,15 +51,17 @@ class RankAgreement:
         order = torch.tensor(list(ready_order), dtype=torch.int64)
         if self._world > 1:
             n = torch.tensor([order.numel()], dtype=torch.int64)
-            dist.broadcast(n, 0, group=self.process_group)
-            if order.numel() != n.item():
-                order = torch.zeros(int(n.item()), dtype=torch.int64)
-            dist.broadcast(order, 0, group=self.process_group)
+            with naming("DistributedDataParallel: the broadcast of rank 0's gradient-ready order"):
+                dist.broadcast(n, 0, group=self.process_group)
+                if order.numel() != n.item():
+                    order = torch.zeros(int(n.item()), dtype=torch.int64)
+                dist.broadcast(order, 0, group=self.process_group)
         plan = rebuild_plan(self.bucket_plan, order.tolist(), size_limits=self._rebuild_limits)
         if self._world > 1:
             fp = torch.tensor([int(plan.fingerprint(), 16) >> 1], dtype=torch.int64)
             fps = [torch.zeros_like(fp) for _ in range(self._world)]
-            dist.all_gather(fps, fp, group=self.process_group)
+            with naming("DistributedDataParallel: the all-gather of the rebuilt plans' fingerprints"):
+                dist.all_gather(fps, fp, group=self.process_group)
             if len({int(f) for f in fps}) != 1:
                 raise RuntimeError(
                     f"ranks disagree on the rebuilt bucket plan (fingerprints by rank: {[int(f) for f in fps]}); "
@@ -74,11 +78,13 @@ class RankAgreement:
         if self._init_sync_buffers:
             tensors += [b.detach() for b in self._buffers_to_sync]
         if tensors:
-            dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, src)
+            with naming(f"DistributedDataParallel: the broadcast of rank {src}'s parameters and buffers"):
+                dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, src)
 
     def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
         rank = torch.tensor([input_rank if rank_cond else -1], device=self.device)
-        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
+        with naming("DistributedDataParallel forward (Join): the all-reduce that picks the rank broadcasting buffers"):
+            dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(rank.item())
 
     def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool):
@@ -88,7 +94,8 @@ class RankAgreement:
             else torch.zeros(1, device=self.device)
         work = dist.all_reduce(flag, group=self.process_group, async_op=True)
         if is_joined_rank:
-            work.wait()
+            with naming("DistributedDataParallel (Join): the all-reduce of the backward-sync flag"):
+                work.wait()
             return flag.item() != 0
         return None
 
@@ -96,6 +103,6 @@ class RankAgreement:
         # Under Join, rank 0 may have joined with stale buffers: the highest active rank broadcasts.
         src = self._find_common_rank(self._rank, rank_cond) if self._join_config.enable else 0
         if self._world > 1:
-            with torch.no_grad():
+            with torch.no_grad(), naming(f"DistributedDataParallel forward: the broadcast of rank {src}'s buffers"):
                 dist._broadcast_coalesced(self.process_group, [b.detach() for b in self._buffers_to_sync],
                                           _BROADCAST_BUCKET_BYTES, src)

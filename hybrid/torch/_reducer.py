@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hybrid import kernels
 from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
+from hybrid.torch._collectives import naming
 from hybrid.torch._ddp_parts import GradBucket, specs
 
 
@@ -47,6 +48,7 @@ class Reducer:
         self._futures: list = []
         self._used_work = None
         self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
+        self._undefined_now: set[int] = set()  # hooks that fired with .grad None (find_unused)
         self._set_plan(plan_buckets(specs(self.module), size_limits=self._initial_limits))
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -59,9 +61,10 @@ class Reducer:
             # no_sync() is reduced even when its backward runs inside the block.
             if self._expect_hooks:
                 on_ready(index, param)
-            elif self.find_unused_parameters:
+            elif self.find_unused_parameters and param.grad is not None:
                 # torch's locally-used map: a gradient accumulated under no_sync() counts as used
-                # until the synchronizing backward, which reduces it on every rank.
+                # until the synchronizing backward, which reduces it on every rank. (The hook also
+                # fires, .grad None, for a parameter behind an output the loss left out.)
                 self._used_in_window.add(index)
         return hook
 
@@ -76,6 +79,10 @@ class Reducer:
                 "Your training graph has changed in this iteration, e.g., one parameter is unused in "
                 "first iteration, but then got used in the second iteration. this is not compatible "
                 f"with static_graph set to True. Parameter: {self._names[index]}")
+        if param.grad is None and self.find_unused_parameters:
+            # Behind an output the loss left out (it came through the sink with no gradient):
+            # locally unused, as torch's reducer decides from an undefined .grad.
+            self._undefined_now.add(index)
         if self._fuse_at_hook[index]:
             grad, view = param.grad, self._views[index]
             if grad is not None and grad.data_ptr() != view.data_ptr():
@@ -97,7 +104,7 @@ class Reducer:
         if launch and state.finished and self.find_unused_parameters and not self.static_graph:
             # torch all-reduces the local-used map right after the last bucket launches.
             used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
-            for i in self._pending_unused:
+            for i in (*self._pending_unused, *self._undefined_now):
                 if i not in self._used_in_window:
                     used[i] = 0
             self._local_used = used
@@ -177,21 +184,24 @@ class Reducer:
         # Without unused parameters, each bucket's gradients are written back as soon as that
         # bucket is reduced, while later buckets are still in flight (torch's finalize_backward
         # order); with unused ones, which to skip is known only once every bucket is in.
-        stream = not state.unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
+        unused = set(state.unused).union(self._undefined_now) if self._undefined_now else state.unused
+        stream = not unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
         for b, fut in enumerate(self._futures):
-            value = fut.wait()
+            with naming(f"DistributedDataParallel backward: the {self._reduction_name} of gradient bucket {b}"):
+                value = fut.wait()
             value = _hook_tensor(value, b)
             if value.data_ptr() != self._bufs[b].data_ptr():
                 self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
             if stream:
                 self._write_back(b, frozenset())
         globally_unused = set()
-        if state.unused and self._static_globally_unused is not None:
+        if unused and self._static_globally_unused is not None:
             globally_unused = self._static_globally_unused
-        elif state.unused:
+        elif unused:
             if self._used_work is not None:
-                self._used_work.wait()
-            globally_unused = {i for i in state.unused if int(self._local_used[i]) == 0}
+                with naming("DistributedDataParallel backward: the all-reduce of the used-parameter map"):
+                    self._used_work.wait()
+            globally_unused = {i for i in unused if int(self._local_used[i]) == 0}
             if self.static_graph:
                 self._static_globally_unused = globally_unused
         # Nothing to do when streamed above, or for a ZeRO-2 hook (it keeps only its gradient
@@ -210,7 +220,12 @@ class Reducer:
                 if self.static_graph else state.ready_order
         self._futures = []
         self._used_in_window.clear()
+        self._undefined_now = set()
         self._expect_hooks = False
+
+    @property
+    def _reduction_name(self) -> str:
+        return "all-reduce" if self._comm_hook is None else "communication hook's Future"
 
     def _write_back(self, b: int, skip: Set[int]) -> None:
         """Reduced bucket ``b`` into its parameters' ``.grad`` (torch's copy_bucket_to_grad), in

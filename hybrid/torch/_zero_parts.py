@@ -7,6 +7,8 @@ from typing import Any
 import torch
 
 from hybrid.core import TensorSpec, canonical_dtype
+from hybrid.torch._collectives import collective_failed as _collective_failed  # noqa: F401 - used by _zero
+from hybrid.torch._collectives import wait_all as _wait  # noqa: F401 - used by _zero2, _zero_hooks
 
 
 def _spec(index: int, param: torch.Tensor, *, with_device: bool = True) -> TensorSpec:
@@ -82,17 +84,3 @@ def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
         for key, value in s.items():
             if key != "params":
                 d[key] = value
-
-
-def _collective_failed(what: str, error: BaseException) -> RuntimeError:
-    """``error`` (a collective's) as a RuntimeError that says which collective of which mode."""
-    return RuntimeError(f"{what} failed (a peer died or stalled past the process group's timeout): {error}")
-
-
-def _wait(works: list[tuple[str, Any]]) -> None:
-    """Wait for ``(what, work)`` pairs; a failed one raises :func:`_collective_failed`."""
-    for what, work in works:
-        try:
-            work.wait()
-        except RuntimeError as e:  # gloo/NCCL errors and DistBackendError (a subclass)
-            raise _collective_failed(what, e) from e

@@ -96,13 +96,27 @@ class Structured(Unused):
         return Out(self.b(h), {"aux": [Pair(side, h.detach())]})
 
 
+class Heads(Unused):
+    """Three heads; the loss takes the side head (``sometimes``) on ranks passing use_extra=True
+    only, and the ``never`` head on no rank. With find_unused_parameters, both are reachable from
+    the outputs, and torch's sink hands their hooks a None gradient where the loss leaves them out:
+    ``never.grad`` stays None everywhere, ``sometimes`` gets rank 0's gradient reduced."""
+
+    def forward(self, x, use_extra=False):
+        h = torch.relu(self.a(x))
+        return self.b(h), self.sometimes(h), self.never(h), use_extra
+
+
 def _loss(out, y):
+    if isinstance(out, tuple):  # Heads
+        main, side, _, use_side = out
+        return ((main - y) ** 2).mean() + (0.1 * side.mean() if use_side else 0.0)
     if isinstance(out, Out):
         return ((out.main - y) ** 2).mean() + 0.1 * out.extras["aux"][0].left.mean()
     return ((out - y) ** 2).mean()
 
 
-MODELS = {"mlp": MLP, "structured": Structured, "conv_bn": ConvBN, "unused": Unused, "mixed": Mixed,
+MODELS = {"mlp": MLP, "structured": Structured, "heads": Heads, "conv_bn": ConvBN, "unused": Unused, "mixed": Mixed,
           "wide": lambda: MLP(width=64, depth=5),
           # 300 x 300 weights: above DistributedDataParallel._FUSED_SCALE_NUMEL, so gradients
           # are scaled while copied; biases and the small layers take the per-bucket path.
@@ -148,6 +162,10 @@ CASES = {
     "find_unused": ("unused", {"find_unused_parameters": True}, {}),
     "find_unused_dataclass": ("structured", {"find_unused_parameters": True}, {}),
     "find_unused_view": ("unused", {"find_unused_parameters": True, "gradient_as_bucket_view": True}, {}),
+    # An output the loss leaves out (on ranks other than 0): torch's _DDPSink, .grad left as None.
+    "find_unused_outputs": ("heads", {"find_unused_parameters": True}, {}),
+    "find_unused_outputs_view": ("heads", {"find_unused_parameters": True, "gradient_as_bucket_view": True}, {}),
+    "find_unused_outputs_no_sync": ("heads", {"find_unused_parameters": True}, {"accumulate": 2}),
     "static_graph": ("mlp", {"static_graph": True}, {}),
     "static_graph_unused": ("unused", {"static_graph": True}, {}),
     "static_graph_view": ("wide", {"static_graph": True, "gradient_as_bucket_view": True,
@@ -201,7 +219,7 @@ def _train(ddp_cls, model, kwargs, opts, rank, world, model_name):
         ddp.register_comm_hook(hook_state, hook_fn)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     steps = STEPS + rank if opts.get("uneven") else STEPS
-    fwd_kwargs = {"use_extra": rank == 0} if model_name in ("unused", "structured") else {}
+    fwd_kwargs = {"use_extra": rank == 0} if model_name in ("unused", "structured", "heads") else {}
     ctx = (ddp.join(divide_by_initial_world_size=opts.get("divide_by_initial_world_size", True))
            if opts.get("uneven") else _nullcontext())
     with ctx:
@@ -351,11 +369,61 @@ def errors_worker(rank, world, port, outdir):
     res["cap_differs"] = _expect(lambda: HybridDDP(MLP(), bucket_cap_mb=1 if rank == 0 else 25))
     res["unsupported"] = _expect(lambda: HybridDDP(MLP(), mixed_precision=object()))
     res["unsupported_sparse"] = _expect(lambda: HybridDDP(nn.Sequential(nn.Embedding(10, 4, sparse=True))))
+    res["unfinished_texts"] = _unfinished_reduction_texts(rank)
     res["state_dict_keys"] = sorted(HybridDDP(MLP()).state_dict().keys())
     res["torch_state_dict_keys"] = sorted(TorchDDP(MLP()).state_dict().keys())
     torch.save(res, os.path.join(outdir, f"errors_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _TwoHeads(nn.Module):
+    """Two outputs of two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def _unfinished_reduction_texts(rank):
+    """torch's and our error texts when a forward starts before the last reduction finished, for
+    each debug level (TORCH_DISTRIBUTED_DEBUG, read when the DDP is built) and each of torch's
+    three wordings: a parameter never used, a backward that skips parameters reachable from the
+    outputs with find_unused_parameters, a static graph that changed."""
+    def plain(cls):
+        ddp = cls(Unused())
+        for step in range(2):
+            ddp(_data(rank, step, "unused")[0]).sum().backward()
+
+    def find_unused(cls):
+        # Every head is in the loss, but the backward is asked for one weight only: the other
+        # parameters are reachable from the outputs yet get no gradient hook at all.
+        ddp = cls(_TwoHeads(), find_unused_parameters=True)
+        for _ in range(2):
+            out = ddp(torch.ones(3, 8))
+            (out[0].sum() + out[1].sum()).backward(inputs=[ddp.module.a.weight])
+
+    def static(cls):
+        ddp = cls(Unused(), static_graph=True)
+        x = _data(rank, 0, "unused")[0]
+        for extra in (True, False, False):
+            ddp(x, use_extra=extra).sum().backward()
+
+    texts = {}
+    for level in ("INFO", "OFF"):
+        dist.set_debug_level(getattr(dist.DebugLevel, level))
+        try:
+            for name, misuse in (("plain", plain), ("find_unused", find_unused), ("static", static)):
+                for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+                    torch.manual_seed(0)
+                    texts[level, name, label] = _expect(lambda: misuse(cls))
+                    dist.barrier()
+        finally:
+            dist.set_debug_level(dist.DebugLevel.OFF)
+    return texts
 
 
 def dead_peer_worker(rank, world, port, outdir):

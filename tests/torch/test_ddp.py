@@ -116,6 +116,17 @@ def test_unused_parameters(parity, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_outputs_left_out_of_the_loss(parity, world):
+    # torch's _DDPSink: a head no rank's loss uses keeps .grad None (it used to hang the reduction
+    # and raise at the next forward); one rank 0 uses gets the reduced gradient on every rank.
+    for res in parity[world]:
+        none = dict(zip([n for n, _ in _workers.Heads().named_parameters()],
+                        res["find_unused_outputs"]["hybrid"]["grads_none"]))
+        assert none["never.weight"] and none["never.bias"]
+        assert not none["sometimes.weight"] and not none["a.weight"]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_batched_powerSGD_fails_like_torch(parity, world):
     # Past start_powerSGD_iter, torch 2.13's batched_powerSGD_hook hands the 2-D Q matrix to
     # _orthogonalize, which asserts a 3-D batch: it fails under torch's DDP whatever the shapes or
@@ -189,6 +200,26 @@ def test_count_error_names_both_ranks(errors):
 def test_unused_error_names_the_parameters(errors):
     msg = errors[0]["unused"][1]
     assert "never.weight" in msg and "sometimes.weight" in msg and "a.weight" not in msg
+
+
+@pytest.mark.parametrize("misuse", ["plain", "find_unused", "static"])
+def test_unfinished_reduction_text_is_torchs(errors, misuse):
+    # torch's reducer text, all three wordings. With TORCH_DISTRIBUTED_DEBUG=INFO (DETAIL prints
+    # the same; it also wraps gloo in a checking group that crashes torch 2.13 in a 1-rank world),
+    # word for word: the reason, then the names (last registered first), then the indices. With debugging off,
+    # torch ends with advice to set INFO to see the names; ours gives the names on that line.
+    for rank, res in enumerate(errors):
+        texts = res["unfinished_texts"]
+        ref, ours = texts["INFO", misuse, "torch"], texts["INFO", misuse, "hybrid"]
+        assert ref is not None and ref[0] == "RuntimeError", ref
+        assert ours == ref, f"rank {rank}:\n{ours[1]}\n--- torch:\n{ref[1]}"
+        assert f"Parameters which did not receive grad for rank {rank}: " in ref[1]
+        ref, ours = texts["OFF", misuse, "torch"], texts["OFF", misuse, "hybrid"]
+        assert ours[1].splitlines()[:-1] == ref[1].splitlines()[:-1], f"{ours[1]}\n--- torch:\n{ref[1]}"
+        assert "TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL" in ref[1].splitlines()[-1]
+        names = next(line for line in texts["INFO", misuse, "torch"][1].splitlines()
+                     if line.startswith("Parameters which"))
+        assert ours[1].splitlines()[-1] == names
 
 
 def test_state_dict_keys_like_torch(errors):

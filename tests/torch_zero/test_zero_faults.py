@@ -4,15 +4,13 @@ makes the survivor raise within ~2x the timeout, naming the mode and the collect
 half-added group anywhere. One small 2-rank spawn per case, 5 s process-group timeout."""
 
 import datetime
-import multiprocessing as mp
 import os
-import queue
 import time
 
 import pytest
 import torch
 
-from tests.torch_zero._harness import free_port
+from tests._procs import forkserver_ranks
 
 TIMEOUT_S = 5
 _FAULT: list = [None]  # "die" or "stall": what the victim's local optimizer step does
@@ -97,37 +95,11 @@ def _fault_worker(mode, rank, port, out):
         out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
 
 
-def _spawn(target, args, num_reports):
-    # forkserver: one clean server process, started once with torch and hybrid imported, forks
-    # every rank (spawn's start-up is most of a case's time on a loaded 2-core machine; a plain
-    # fork of this process would copy the threads JAX started in it, and their locks).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hybrid.torch"])
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(*args, r, port, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports = {}
-    try:
-        for _ in range(num_reports):
-            rank, outcome, seconds = out.get(timeout=90)
-            reports[rank] = (outcome, seconds)
-    except queue.Empty:
-        pytest.fail(f"only {reports} reported within 90 s")
-    finally:
-        for p in procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-    return reports, procs
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_peer_fault_raises_naming_the_collective(mode):
     victim, fault, expected = MODES[mode]
-    reports, procs = _spawn(_fault_worker, (mode,), 1)
+    reports, procs = forkserver_ranks(_fault_worker, (mode,), 1)
     survivor = 1 - victim
     assert list(reports) == [survivor], reports
     outcome, seconds = reports[survivor]
@@ -168,7 +140,7 @@ def _add_group_worker(late, rank, port, out):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("late", [False, True], ids=["step-meets-check", "step-after-timeout"])
 def test_add_param_group_on_one_rank(late):
-    reports, _ = _spawn(_add_group_worker, (late,), 2)
+    reports, _ = forkserver_ranks(_add_group_worker, (late,), 2)
     for rank, ((outcome, consistent), seconds) in sorted(reports.items()):
         print(f"rank {rank} raised after {seconds:.2f} s: {outcome[:400]}")
         assert consistent, f"rank {rank} lists a parameter group its local optimizer lacks"
