@@ -79,7 +79,7 @@ class Reducer:
                 "Your training graph has changed in this iteration, e.g., one parameter is unused in "
                 "first iteration, but then got used in the second iteration. this is not compatible "
                 f"with static_graph set to True. Parameter: {self._names[index]}")
-        if param.grad is None and self.find_unused_parameters:
+        if self.find_unused_parameters and param.grad is None:
             # Behind an output the loss left out (it came through the sink with no gradient):
             # locally unused, as torch's reducer decides from an undefined .grad.
             self._undefined_now.add(index)
