@@ -27,6 +27,7 @@ from hybrid.torch._ddp_api import TorchMethods
 from hybrid.torch._ddp_join import _JoinHook
 from hybrid.torch._ddp_pickle import Pickling
 from hybrid.torch._ddp_sink import through_sink
+from hybrid.torch._ddp_sparse import SparseBuckets, sparse_placeholder
 from hybrid.torch._ddp_sync import RankAgreement
 from hybrid.torch._reducer import Reducer
 from hybrid.torch import _compile  # torch.compile(ddp) splits graphs at the plan's bucket boundaries
@@ -40,7 +41,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBuckets, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -78,10 +79,6 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
-        for mname, m in module.named_modules():
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-                raise NotImplementedError(f"hybrid.torch.DistributedDataParallel does not support sparse "
-                                          f"gradients ({mname or type(m).__name__} has sparse=True)")
         device_types = {p.device.type for _, p in named}
         if len(device_types) != 1:
             raise ValueError("DistributedDataParallel's input module must be on the same type of devices, "
@@ -154,6 +151,9 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         self._bufs, self._views = [], [None] * len(self._params)
         for bucket in plan.buckets:
             p0 = self._params[bucket.members[0]]
+            if bucket.sparse:  # reduced as the sparse gradient itself: no flat buffer, no view
+                self._bufs.append(sparse_placeholder(p0))
+                continue
             buf = torch.zeros(bucket.length, dtype=p0.dtype, device=p0.device)
             self._bufs.append(buf)
             for m, view in zip(bucket.members, self._bucket_views(bucket, buf)):
@@ -161,7 +161,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         if self.gradient_as_bucket_view:
             # torch's initialize_bucket_views: an existing gradient moves into the bucket.
             for p, v in zip(self._params, self._views):
-                if p.grad is not None:
+                if p.grad is not None and v is not None:
                     v.copy_(p.grad)
                     p.grad = v
         self._bucket_is_last = [b == len(plan.buckets) - 1 for b in range(len(plan.buckets))]
@@ -179,7 +179,8 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
     def _update_copy_policy(self) -> None:
         """Which gradients the hook copies (fused with the scale) rather than ``_fill_bucket``."""
         fuse = not (self.batched_grad_copy or self._kernel_copy or self._comm_hook is not None)
-        self._fuse_at_hook = [fuse and p.numel() >= self._FUSED_SCALE_NUMEL for p in self._params]
+        self._fuse_at_hook = [fuse and v is not None and p.numel() >= self._FUSED_SCALE_NUMEL
+                              for p, v in zip(self._params, self._views)]
 
     def _set_world(self) -> None:
         self._world = dist.get_world_size(self.process_group)

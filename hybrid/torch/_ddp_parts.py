@@ -10,6 +10,7 @@ from torch import nn
 
 from hybrid import kernels
 from hybrid.core import TensorSpec, canonical_dtype
+from hybrid.torch._ddp_sparse import expect_sparse_gradient
 
 
 def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str, nn.Parameter]]:
@@ -29,14 +30,16 @@ def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str
 
 
 def specs(module: nn.Module) -> list[TensorSpec]:
-    """TensorSpecs of the parameters DDP reduces, in registration order.
+    """TensorSpecs of the parameters DDP reduces, in registration order; ``sparse`` marks the
+    weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` (a bucket of their own).
 
-    >>> [s.name for s in specs(torch.nn.Linear(2, 3))]
-    ['weight', 'bias']
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(4, 2, sparse=True), torch.nn.Linear(2, 1))
+    >>> [(s.name, s.sparse) for s in specs(model)]
+    [('0.weight', True), ('1.weight', False), ('1.bias', False)]
     """
     ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype), str(p.device))
-            for n, p in _reduced_parameters(module, ignore)]
+    return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype), str(p.device), sparse)
+            for (n, p), sparse in zip(_reduced_parameters(module, ignore), expect_sparse_gradient(module, ignore))]
 
 
 class GradBucket:

@@ -18,7 +18,7 @@ _DROPPED = frozenset({
     "_comm_hook", "_has_rebuilt", "_last_order", "_expect_hooks", "_state", "_start_state",
     "_static_unused", "_static_globally_unused", "_futures", "_used_work", "_local_used",
     "_pending_unused", "_used_in_window", "_undefined_now", "bucket_plan", "_bufs", "_views", "_bucket_is_last",
-    "_scaled_in", "_kernel_copy", "_fuse_at_hook"})
+    "_scaled_in", "_kernel_copy", "_fuse_at_hook", "_sparse_metadata"})
 
 
 def _uses_default_group(ddp) -> bool:

@@ -85,9 +85,13 @@ class Reducer:
             self._undefined_now.add(index)
         if self._fuse_at_hook[index]:
             grad, view = param.grad, self._views[index]
-            if grad is not None and grad.data_ptr() != view.data_ptr():
-                torch.mul(grad, self._inv_div, out=view)
-                self._scaled_in[index] = self._iteration
+            try:
+                if grad is not None and grad.data_ptr() != view.data_ptr():
+                    torch.mul(grad, self._inv_div, out=view)
+                    self._scaled_in[index] = self._iteration
+            except RuntimeError:
+                self._sparse_into_dense_error([index])  # a sparse gradient has no data_ptr
+                raise
         state, launch = mark_ready(state, index)
         if self._delaying:
             # static_graph's first iteration: only record; _finalize reduces everything at the end
@@ -153,7 +157,14 @@ class Reducer:
                 torch._foreach_div_(in_place, self._div_factor)
 
     def _launch(self, b: int) -> None:
-        self._fill_bucket(b)
+        if self.bucket_plan.buckets[b].sparse:
+            self._launch_sparse(b)  # hybrid/torch/_ddp_sparse.py
+            return
+        try:
+            self._fill_bucket(b)
+        except RuntimeError:
+            self._sparse_into_dense_error(self.bucket_plan.buckets[b].members)  # no data_ptr: sparse
+            raise
         buf = self._bufs[b]
         if self._comm_hook is None:
             fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
@@ -166,7 +177,8 @@ class Reducer:
         buffer, or zeros when a joined rank shadows the others' backward)."""
         state, hook = self._comm_hook
         spec = self.bucket_plan.buckets[b]
-        views = ([self._views[m] for m in spec.members] if buf is self._bufs[b]
+        views = ([] if spec.sparse  # torch's sparse GradBucket has no per-parameter views
+                 else [self._views[m] for m in spec.members] if buf is self._bufs[b]
                  else self._bucket_views(spec, buf))
         bucket = GradBucket(b, buf, views, [self._params[m] for m in spec.members], self._bucket_is_last[b])
         fut = hook(state, bucket)
@@ -190,10 +202,15 @@ class Reducer:
             with naming(f"DistributedDataParallel backward: the {self._reduction_name} of gradient bucket {b}"):
                 value = fut.wait()
             value = _hook_tensor(value, b)
+            if self.bucket_plan.buckets[b].sparse:
+                self._finish_sparse(b, value)  # .grad reduced in place: nothing to write back
+                continue
             if value.data_ptr() != self._bufs[b].data_ptr():
                 self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
             if stream:
                 self._write_back(b, frozenset())
+        if self._sparse_metadata is not None:
+            self._sparse_metadata = None  # torch's reducer applies it to one reduction only
         globally_unused = set()
         if unused and self._static_globally_unused is not None:
             globally_unused = self._static_globally_unused
@@ -210,6 +227,8 @@ class Reducer:
             pass
         elif self.gradient_as_bucket_view:
             for i, (p, view) in enumerate(zip(self._params, self._views)):
+                if view is None:
+                    continue  # a sparse gradient: reduced in place, never a bucket view (as torch)
                 if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                     p.grad = view
         else:
@@ -230,6 +249,8 @@ class Reducer:
     def _write_back(self, b: int, skip: Set[int]) -> None:
         """Reduced bucket ``b`` into its parameters' ``.grad`` (torch's copy_bucket_to_grad), in
         one call: a kernel launch on CUDA (hybrid.kernels), a foreach copy on CPU."""
+        if self.bucket_plan.buckets[b].sparse:
+            return  # its .grad was reduced in place
         params, views, members = self._params, self._views, self.bucket_plan.buckets[b].members
         grads = [params[m].grad for m in members]
         if (self._kernel_copy and not skip.intersection(members)

@@ -368,7 +368,6 @@ def errors_worker(rank, world, port, outdir):
     # Per-rank bucket caps that differ: named, with both values, in MB.
     res["cap_differs"] = _expect(lambda: HybridDDP(MLP(), bucket_cap_mb=1 if rank == 0 else 25))
     res["unsupported"] = _expect(lambda: HybridDDP(MLP(), mixed_precision=object()))
-    res["unsupported_sparse"] = _expect(lambda: HybridDDP(nn.Sequential(nn.Embedding(10, 4, sparse=True))))
     res["unfinished_texts"] = _unfinished_reduction_texts(rank)
     res["state_dict_keys"] = sorted(HybridDDP(MLP()).state_dict().keys())
     res["torch_state_dict_keys"] = sorted(TorchDDP(MLP()).state_dict().keys())

@@ -167,7 +167,6 @@ def errors():
     ("bad_future_dict_hybrid", "RuntimeError", "Unable to cast {'a': 1} to Tensor.*bucket 0"),
     ("cap_differs", "ValueError", "bucket_cap_mb \\(MB\\): rank 0 has 1, rank 1 has 25"),
     ("unsupported", "NotImplementedError", "mixed_precision"),
-    ("unsupported_sparse", "NotImplementedError", "sparse gradients"),
 ])
 def test_errors(errors, key, exc, pattern):
     import re

@@ -1,0 +1,137 @@
+"""Sparse gradients in hybrid's DDP: ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``.
+
+As torch's C++ ``Reducer``: a parameter whose module produces sparse gradients sits alone in its
+bucket (``TensorSpec.sparse``, planned by ``hybrid.core``); that bucket has no flat buffer. Its
+gradient itself is divided by the world size in place and all-reduced as a sparse COO tensor
+(gloo sums the ranks' indices and values), and the reduced tensor is copied back into ``.grad``
+in place. ``gradient_as_bucket_view`` does not apply to it; a comm hook sees the sparse tensor as
+``bucket.buffer()`` and an empty ``bucket.gradients()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_NOT_SPARSE_HINT = ("only the weights of nn.Embedding / nn.EmbeddingBag modules built with sparse=True "
+                    "are reduced as sparse gradients")
+
+
+def expect_sparse_gradient(module: nn.Module, ignore=frozenset()) -> list[bool]:
+    """Per reduced parameter (``_reduced_parameters`` order), whether DDP expects a sparse gradient.
+
+    torch's ``_build_params_for_reducer`` rule: the parameter's first owning module (in
+    ``named_modules`` order) is an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True``.
+
+    >>> expect_sparse_gradient(torch.nn.Sequential(torch.nn.Embedding(4, 2, sparse=True), torch.nn.Linear(2, 1)))
+    [True, False, False]
+    """
+    out, memo = [], set()
+    for mname, m in module.named_modules():
+        sparse = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and bool(m.sparse)
+        for pname, p in m.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            if p.requires_grad and name not in ignore and p not in memo:
+                memo.add(p)
+                out.append(sparse)
+    return out
+
+
+def sparse_placeholder(param: torch.Tensor) -> torch.Tensor:
+    """An empty sparse gradient shaped like ``param``, one sparse dimension as an embedding's: a
+    sparse bucket's tensor before its first reduction (what a joined rank all-reduces zeros of).
+
+    >>> sparse_placeholder(torch.zeros(5, 3)).sparse_dim(), sparse_placeholder(torch.zeros(5, 3)).dense_dim()
+    (1, 1)
+    """
+    indices = torch.empty(1, 0, dtype=torch.long, device=param.device)
+    values = torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
+
+
+class SparseBuckets:
+    """Mixed into :class:`hybrid.torch.DistributedDataParallel`: launch and finish a sparse bucket.
+
+    ``self._bufs[b]`` of a sparse bucket is torch's ``bucket.gradients``: the sparse gradient last
+    launched (the parameter's ``.grad`` object itself).
+    """
+
+    _sparse_metadata: dict[str, torch.Tensor] | None = None  # torch's reducer forgets it on pickling
+
+    def _set_sparse_metadata(self, global_unique_ids: Mapping[str, torch.Tensor]) -> None:
+        """torch's ``_set_sparse_metadata``: per sparse parameter name, the sorted ids of the rows
+        that exist globally. A sparse gradient's row indices are then replaced by their positions
+        in those ids before the comm hook; after it, the hook's result is taken as dense values,
+        one row per id, and ``.grad`` becomes the sparse tensor of those rows (torch's reducer).
+
+        On gloo this only works with a comm hook that returns the dense rows of all ids (and as
+        many ids as the table has rows): the default all-reduce returns a sparse tensor, which
+        torch's reducer, and this one, refuse there ("expected values to be a dense tensor").
+        """
+        if not isinstance(global_unique_ids, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in global_unique_ids.items()):
+            raise TypeError("_set_sparse_metadata(): incompatible function arguments. The following argument "
+                            "types are supported:\n    1. (global_unique_ids: Mapping[str, torch.Tensor]) -> None"
+                            f"\n\nInvoked with: {global_unique_ids!r:.200}")
+        self._sparse_metadata = dict(global_unique_ids)
+
+    def _launch_sparse(self, b: int) -> None:
+        """torch's ``mark_variable_ready_sparse`` then ``all_reduce_bucket`` for sparse bucket ``b``."""
+        (i,) = self.bucket_plan.buckets[b].members
+        param = self._params[i]
+        grad = param.grad
+        if grad is None:
+            raise RuntimeError(
+                f"Expected sparse gradient to be defined. (parameter {self._names[i]!r} got no gradient "
+                "in this iteration: DistributedDataParallel cannot reduce an unused sparse parameter; "
+                "use it on every rank in every iteration, or build its module with sparse=False)")
+        if grad.layout != torch.sparse_coo:
+            raise RuntimeError(
+                f"Expected variable to have sparse gradient. (parameter {self._names[i]!r} belongs to a "
+                f"module with sparse=True but received a {grad.layout} gradient: it is used outside its "
+                "embedding lookup, e.g. shared with another layer; build that module with sparse=False)")
+        if self._sparse_metadata is not None:
+            # Row ids become positions in the global ids; the gradient is replaced (torch's too).
+            grad = grad.coalesce()
+            positions = torch.searchsorted(self._metadata_ids(i, grad.device), grad.indices(),
+                                           out_int32=False, right=False)
+            grad = param.grad = torch.sparse_coo_tensor(positions, grad.values(), grad.size())
+        if self._comm_hook is None:
+            grad.div_(self._div_factor)
+            fut = dist.all_reduce(grad, group=self.process_group, async_op=True).get_future()
+        else:
+            fut = self._run_comm_hook(b, grad)
+        self._bufs[b] = grad
+        self._futures.append(fut)
+
+    def _metadata_ids(self, i: int, device) -> torch.Tensor:
+        """Parameter ``i``'s global ids as a ``(1, K)`` int64 tensor (torch's sparse_tensor_indices)."""
+        ids = self._sparse_metadata.get(self._names[i])
+        if ids is None:
+            raise RuntimeError(f"param: {self._names[i]} not found in sparse metadata")
+        return ids.to(torch.long).unsqueeze(0).to(device)
+
+    def _finish_sparse(self, b: int, value: torch.Tensor) -> None:
+        """The reduced sparse bucket ``b`` into its ``.grad``, in place (torch's finalize_backward)."""
+        grad = self._bufs[b]
+        if self._sparse_metadata is not None:
+            (i,) = self.bucket_plan.buckets[b].members
+            ids = self._metadata_ids(i, grad.device)
+            if ids.numel() != grad.size(0):
+                raise RuntimeError("Sparse metadata and gradient size mismatch")
+            value = torch.sparse_coo_tensor(ids, value, grad.size())
+        if value is not grad:
+            grad.copy_(value)
+
+    def _sparse_into_dense_error(self, members) -> None:
+        """Raise torch's error, naming the parameter, when a dense bucket member got a sparse gradient."""
+        for m in members:
+            grad = self._params[m].grad
+            if grad is not None and grad.layout != torch.strided:
+                raise NotImplementedError(
+                    f"Cannot access storage of SparseTensorImpl (parameter {self._names[m]!r} received a "
+                    f"{grad.layout} gradient, but DistributedDataParallel expects a dense one: "
+                    f"{_NOT_SPARSE_HINT})")
