@@ -23,6 +23,7 @@ from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exporte
 from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
 from hybrid.torch._ddp_api import TorchMethods
 from hybrid.torch._ddp_join import _JoinHook
+from hybrid.torch._ddp_mixed import MixedPrecision
 from hybrid.torch._ddp_pickle import Pickling
 from hybrid.torch._ddp_sync import RankAgreement
 from hybrid.torch._reducer import Reducer
@@ -37,7 +38,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreement, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -64,7 +65,6 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")
         _unsupported("delay_all_reduce_named_params", delay_all_reduce_named_params, None)
-        _unsupported("mixed_precision", mixed_precision, None)
         _unsupported("device_mesh", device_mesh, None)
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
@@ -136,6 +136,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
             self._initial_limits, self._rebuild_limits = ddp_size_limits(
                 bucket_cap_bytes=None if bucket_cap_mb is None else _cap_bytes(bucket_cap_mb),
                 static_graph=static_graph, find_unused_parameters=find_unused_parameters)
+        self._init_mixed_precision(mixed_precision)  # before planning: buckets in the reduce dtype
 
         if init_sync:
             self._verify_same_model()
@@ -143,6 +144,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
             self._sync_module_states(0)
 
         self._init_reducer()
+        self._setup_mixed_precision()  # after the reducer, as torch: casts, copies, its comm hook
 
     # ---- plan and buffers -------------------------------------------------------------------
 
@@ -151,11 +153,11 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         self._bufs, self._views = [], [None] * len(self._params)
         for bucket in plan.buckets:
             p0 = self._params[bucket.members[0]]
-            buf = torch.zeros(bucket.length, dtype=p0.dtype, device=p0.device)
+            buf = torch.zeros(bucket.length, dtype=self._bucket_dtype(p0), device=p0.device)
             self._bufs.append(buf)
             for m, view in zip(bucket.members, self._bucket_views(bucket, buf)):
                 self._views[m] = view
-        if self.gradient_as_bucket_view:
+        if self._grads_in_buckets:
             # torch's initialize_bucket_views: an existing gradient moves into the bucket.
             for p, v in zip(self._params, self._views):
                 if p.grad is not None:
@@ -165,7 +167,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         # The start state is an immutable value: every iteration on this plan starts from it.
         self._start_state = start_iteration(plan)
         self._scaled_in = [-1] * len(self._params)  # iteration in which a hook already scaled it
-        self._kernel_copy = _bucket_copy_backend(self.device) == "cuda"
+        self._kernel_copy = _bucket_copy_backend(self.device) == "cuda" and self.mixed_precision is None
         self._update_copy_policy()
 
     def _bucket_views(self, bucket, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -193,9 +195,13 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, Reducer, nn
         # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
         # iteration counter, the rebuild flag), which changed every step and recompiled each time.
         grad_sync = self._pre_forward()
+        if self.mixed_precision is not None:
+            inputs, kwargs = self._mp_pre_forward(inputs, kwargs)
         # Under torch.compile the module runs compiled in pieces split at the bucket boundaries
         # (hybrid/torch/_compile.py); eagerly this is self.module(*inputs, **kwargs).
         out = _compile.forward_module(self, inputs, kwargs)
+        if self.mixed_precision is not None:
+            self._mp_post_forward()
         self._post_forward(out, grad_sync)
         return out
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hybrid import kernels
 from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
-from hybrid.torch._ddp_parts import GradBucket, specs
+from hybrid.torch._ddp_parts import GradBucket
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ class Reducer:
         self._futures: list = []
         self._used_work = None
         self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
-        self._set_plan(plan_buckets(specs(self.module), size_limits=self._initial_limits))
+        self._set_plan(plan_buckets(self._bucket_specs(), size_limits=self._initial_limits))
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
@@ -177,7 +177,7 @@ class Reducer:
         # Without unused parameters, each bucket's gradients are written back as soon as that
         # bucket is reduced, while later buckets are still in flight (torch's finalize_backward
         # order); with unused ones, which to skip is known only once every bucket is in.
-        stream = not state.unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
+        stream = not state.unused and not self._comm_hook_owns_grads and not self._grads_in_buckets
         for b, fut in enumerate(self._futures):
             value = fut.wait()
             value = _hook_tensor(value, b)
@@ -198,7 +198,7 @@ class Reducer:
         # slice: .grad stays None).
         if stream or self._comm_hook_owns_grads:
             pass
-        elif self.gradient_as_bucket_view:
+        elif self._grads_in_buckets:
             for i, (p, view) in enumerate(zip(self._params, self._views)):
                 if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                     p.grad = view
