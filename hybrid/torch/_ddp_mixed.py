@@ -75,6 +75,8 @@ class MixedPrecision:
     def _init_mixed_precision(self, mixed_precision) -> None:
         """Validate the config and fix the buckets' dtype before the reducer plans them."""
         self.mixed_precision = mixed_precision
+        # Ranks compare these settings key by key: the key is there with or without a config.
+        self._layout_settings["mixed_precision"] = None
         if mixed_precision is None:
             return
         _check_config(mixed_precision)

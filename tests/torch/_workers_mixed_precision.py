@@ -177,6 +177,15 @@ def ignored(cls, rank, world):
             for n, p in list(ddp.module.named_parameters()) + list(ddp.module.named_buffers())}
 
 
+def disagree(cls, rank, world):
+    """Rank 0 reduces in bfloat16, the others in float32: the bucket layouts would differ."""
+    if cls is TorchDDP:
+        return "not checked by torch"
+    reduce_dtype = BF16 if rank == 0 else F32
+    cls(_model(rank), mixed_precision=_MixedPrecision(BF16, reduce_dtype, BF16))
+    return "ok"
+
+
 _CONFIGS = {"bf16": (BF16, BF16, BF16), "f16_f32": (F16, F32, F16), "bf16_f32": (BF16, F32, BF16),
             "f16": (F16, F16, F16)}
 CASES = {}
@@ -195,6 +204,7 @@ for _action, _kwargs in (("no_sync", {}), ("comm_hook", {}), ("builtin_hook", {}
     CASES[f"with_{_action}"] = (combination, (_CONFIGS["bf16"], _kwargs, _action))
 CASES["with_no_param_dtype"] = (combination, ((None, F16, None), {}, "step"))
 CASES["ignored"] = (ignored, ())
+CASES["disagree"] = (disagree, ())
 
 
 def mixed_precision_worker(rank, world, port, outdir, case_names):

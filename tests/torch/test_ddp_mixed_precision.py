@@ -170,3 +170,13 @@ def test_ignored_parameters_and_buffers_are_not_cast(runs, world):
         assert ours == ref
         assert ours["fc1.weight"] == (False, False, torch.float32) and ours["seen"][2] == torch.float32
         assert ours["fc1.bias"] == (True, True, torch.float32)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ranks_must_agree_on_mixed_precision(runs, world):
+    for res in runs[world]:
+        ours = res["disagree"]["hybrid"]
+        if world == 1:
+            assert ours.get("result") == "ok", ours.get("traceback")
+        else:
+            assert ours["error"][0] == "ValueError" and "ranks disagree on mixed_precision" in ours["error"][1]
