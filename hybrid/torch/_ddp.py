@@ -25,6 +25,7 @@ from hybrid.torch._ddp_parts import unfinished_reduction_message
 from hybrid.torch._collectives import naming
 from hybrid.torch._ddp_api import TorchMethods
 from hybrid.torch._ddp_join import _JoinHook
+from hybrid.torch._ddp_mixed import MixedPrecision
 from hybrid.torch._ddp_pickle import Pickling
 from hybrid.torch._ddp_sink import through_sink
 from hybrid.torch._ddp_sparse import SparseBuckets, sparse_placeholder
@@ -41,7 +42,8 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBuckets, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreement, SparseBuckets, Reducer,
+                              nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -68,7 +70,6 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBucke
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")
         _unsupported("delay_all_reduce_named_params", delay_all_reduce_named_params, None)
-        _unsupported("mixed_precision", mixed_precision, None)
         _unsupported("device_mesh", device_mesh, None)
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
@@ -136,6 +137,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBucke
             self._initial_limits, self._rebuild_limits = ddp_size_limits(
                 bucket_cap_bytes=None if bucket_cap_mb is None else _cap_bytes(bucket_cap_mb),
                 static_graph=static_graph, find_unused_parameters=find_unused_parameters)
+        self._init_mixed_precision(mixed_precision)  # before planning: buckets in the reduce dtype
 
         if init_sync:
             self._verify_same_model()
@@ -143,6 +145,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBucke
             self._sync_module_states(0)
 
         self._init_reducer()
+        self._setup_mixed_precision()  # after the reducer, as torch: casts, copies, its comm hook
 
     # ---- plan and buffers -------------------------------------------------------------------
 
@@ -154,11 +157,11 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBucke
             if bucket.sparse:  # reduced as the sparse gradient itself: no flat buffer, no view
                 self._bufs.append(sparse_placeholder(p0))
                 continue
-            buf = torch.zeros(bucket.length, dtype=p0.dtype, device=p0.device)
+            buf = torch.zeros(bucket.length, dtype=self._bucket_dtype(p0), device=p0.device)
             self._bufs.append(buf)
             for m, view in zip(bucket.members, self._bucket_views(bucket, buf)):
                 self._views[m] = view
-        if self.gradient_as_bucket_view:
+        if self._grads_in_buckets:
             # torch's initialize_bucket_views: an existing gradient moves into the bucket.
             for p, v in zip(self._params, self._views):
                 if p.grad is not None and v is not None:
@@ -168,7 +171,7 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBucke
         # The start state is an immutable value: every iteration on this plan starts from it.
         self._start_state = start_iteration(plan)
         self._scaled_in = [-1] * len(self._params)  # iteration in which a hook already scaled it
-        self._kernel_copy = _bucket_copy_backend(self.device) == "cuda"
+        self._kernel_copy = _bucket_copy_backend(self.device) == "cuda" and self.mixed_precision is None
         self._update_copy_policy()
 
     def _bucket_views(self, bucket, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -197,9 +200,13 @@ class DistributedDataParallel(Pickling, TorchMethods, RankAgreement, SparseBucke
         # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
         # iteration counter, the rebuild flag), which changed every step and recompiled each time.
         grad_sync = self._pre_forward()
+        if self.mixed_precision is not None:
+            inputs, kwargs = self._mp_pre_forward(inputs, kwargs)
         # Under torch.compile the module runs compiled in pieces split at the bucket boundaries
         # (hybrid/torch/_compile.py); eagerly this is self.module(*inputs, **kwargs).
         out = _compile.forward_module(self, inputs, kwargs)
+        if self.mixed_precision is not None:
+            self._mp_post_forward()
         return self._post_forward(out, grad_sync)
 
     @torch.compiler.disable

@@ -15,7 +15,7 @@ from hybrid import kernels
 from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
 from hybrid.torch._collectives import naming
-from hybrid.torch._ddp_parts import GradBucket, specs
+from hybrid.torch._ddp_parts import GradBucket
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ class Reducer:
         self._used_work = None
         self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
         self._undefined_now: set[int] = set()  # hooks that fired with .grad None (find_unused)
-        self._set_plan(plan_buckets(specs(self.module), size_limits=self._initial_limits))
+        self._set_plan(plan_buckets(self._bucket_specs(), size_limits=self._initial_limits))
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
@@ -197,7 +197,7 @@ class Reducer:
         # bucket is reduced, while later buckets are still in flight (torch's finalize_backward
         # order); with unused ones, which to skip is known only once every bucket is in.
         unused = set(state.unused).union(self._undefined_now) if self._undefined_now else state.unused
-        stream = not unused and not self._comm_hook_owns_grads and not self.gradient_as_bucket_view
+        stream = not unused and not self._comm_hook_owns_grads and not self._grads_in_buckets
         for b, fut in enumerate(self._futures):
             with naming(f"DistributedDataParallel backward: the {self._reduction_name} of gradient bucket {b}"):
                 value = fut.wait()
@@ -225,7 +225,7 @@ class Reducer:
         # slice: .grad stays None).
         if stream or self._comm_hook_owns_grads:
             pass
-        elif self.gradient_as_bucket_view:
+        elif self._grads_in_buckets:
             for i, (p, view) in enumerate(zip(self._params, self._views)):
                 if view is None:
                     continue  # a sparse gradient: reduced in place, never a bucket view (as torch)

@@ -166,7 +166,7 @@ def errors():
     ("bad_future_dict_torch", "RuntimeError", "Unable to cast {'a': 1} to Tensor"),
     ("bad_future_dict_hybrid", "RuntimeError", "Unable to cast {'a': 1} to Tensor.*bucket 0"),
     ("cap_differs", "ValueError", "bucket_cap_mb \\(MB\\): rank 0 has 1, rank 1 has 25"),
-    ("unsupported", "NotImplementedError", "mixed_precision"),
+    ("unsupported", "TypeError", "mixed_precision must be a torch.nn.parallel.distributed._MixedPrecision"),
 ])
 def test_errors(errors, key, exc, pattern):
     import re
