@@ -27,13 +27,21 @@ def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str
     return out
 
 
-def specs(module: nn.Module) -> list[TensorSpec]:
+def specs(module: nn.Module, ignore=None) -> list[TensorSpec]:
     """TensorSpecs of the parameters DDP reduces, in registration order.
+
+    Args:
+      module: the wrapped module.
+      ignore: names DDP leaves out (a DDP's ``parameters_to_ignore``); default: the module's
+        ``_ddp_params_and_buffers_to_ignore``.
 
     >>> [s.name for s in specs(torch.nn.Linear(2, 3))]
     ['weight', 'bias']
+    >>> [s.name for s in specs(torch.nn.Linear(2, 3), ignore={"bias"})]
+    ['weight']
     """
-    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    if ignore is None:
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype), str(p.device))
             for n, p in _reduced_parameters(module, ignore)]
 

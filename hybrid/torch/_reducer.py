@@ -47,7 +47,7 @@ class Reducer:
         self._futures: list = []
         self._used_work = None
         self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
-        self._set_plan(plan_buckets(specs(self.module), size_limits=self._initial_limits))
+        self._set_plan(plan_buckets(specs(self.module, self.parameters_to_ignore), size_limits=self._initial_limits))
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
