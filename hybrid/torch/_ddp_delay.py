@@ -49,18 +49,19 @@ class DelayedAllReduce:
         self._delay_all_reduce_all_params = all_delayed
 
     def _register_delayed_hook(self) -> None:
-        # A tensor hook, as torch's: it runs when the gradient of param_to_hook_all_reduce is
-        # computed, before that gradient is accumulated into its .grad.
-        self._param_to_hook_all_reduce.register_hook(self._delayed_all_reduce_hook)
+        # After param_to_hook_all_reduce's gradient is accumulated. torch's is a tensor hook, which
+        # runs before: when that parameter is itself delayed, its gradient lands in the buffer
+        # while the all-reduce of the buffer is in flight (a race); here it is reduced with the rest.
+        self._param_to_hook_all_reduce.register_post_accumulate_grad_hook(self._delayed_all_reduce_hook)
 
-    def _delayed_all_reduce_hook(self, grad):
+    def _delayed_all_reduce_hook(self, param) -> None:
+        del param
         buf = self._delay_grad_buffer
         buf.div_(dist.get_world_size(self.process_group))
         work = dist.all_reduce(buf, group=self.process_group, async_op=True)
         # torch never waits for this all-reduce, so an optimizer step may read the delayed
         # gradients before it lands; ours waits for it when the backward ends.
         Variable._execution_engine.queue_callback(work.wait)
-        return grad
 
     def _clear_grad_buffer(self) -> None:
         """After each forward: a delayed parameter without a gradient gets its buffer view (zero)."""
