@@ -84,6 +84,33 @@ def fused_and_hook(cls, rank, world, hook_first):
         ddp.register_comm_hook(None, _allreduce)
 
 
+class _Recorder:
+    """A functional optimizer that records what ``_hook_then_optimizer``'s callback hands it."""
+
+    def __init__(self, index):
+        self.index, self.seen = index, {}
+
+    def step_param(self, param, grad):
+        self.seen[self.index[id(param)]] = grad.detach().clone()
+
+
+def fused_callback_view(cls, rank, world):
+    """torch's ``_hook_then_optimizer`` over allreduce_hook, with a recording optimizer: each
+    parameter's gradient as the Future's then-callback sees it, per step."""
+    from torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+        _hook_then_optimizer, _OptimizerHookState)
+    ddp = cls(_model("wide", rank), bucket_cap_mb=0.01)
+    recorder = _Recorder({id(p): i for i, p in enumerate(ddp.module.parameters())})
+    ddp.register_comm_hook(None, _hook_then_optimizer(default_hooks.allreduce_hook, _OptimizerHookState(recorder)))
+    seen = []
+    for step in range(STEPS):
+        recorder.seen = {}
+        x, y = _data(rank, step, "mlp")
+        _loss(ddp(x), y).backward()
+        seen.append([recorder.seen.get(i) for i in range(len(recorder.index))])
+    return {"seen": seen, "grads": _grads(ddp.module)}
+
+
 def fused_unknown_optim(cls, rank, world):
     cls(_model("mlp", rank))._register_fused_optim(torch.optim.LBFGS, 0.1)
 
@@ -247,6 +274,7 @@ CASES = {
     "fused_hook_first": (fused_and_hook, (True,)),
     "fused_hook_after": (fused_and_hook, (False,)),
     "fused_unknown_optim": (fused_unknown_optim, ()),
+    "fused_callback_view": (fused_callback_view, ()),
     # A hook returning futures runs after the forward only: before it, or before a forward that
     # follows an eval forward's hook, its all-reduces race with the forward's own updates of the
     # running stats, for torch's class as for ours (torch's docs say so).

@@ -88,6 +88,17 @@ def test_fused_optimizer_steps_like_torch(runs, world, case):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_fused_callback_sees_what_torch_shows(runs, world):
+    # In the Future's then-callback of _hook_then_optimizer, bucket.gradients() / parameters()
+    # hold, for every parameter, the averaged gradient torch's bucket holds there; the same
+    # values then land in .grad.
+    for ref, ours in _results(runs, world, "fused_callback_view"):
+        assert all(g is not None for step in ours["seen"] for g in step)
+        _close(ours["seen"], ref["seen"])
+        _close(ours["seen"][-1], ours["grads"])
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("case", ["fused_hook_first", "fused_hook_after", "fused_unknown_optim"])
 def test_fused_optimizer_refusals_like_torch(runs, world, case):
     # A fused optimizer is the DDP's comm hook: with another hook, before or after, both raise.
