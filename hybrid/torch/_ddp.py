@@ -200,13 +200,13 @@ class DistributedDataParallel(Pickling, TorchMethods, BufferSync, DelayedAllRedu
     # ---- forward ----------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
-        # Under torch.compile only the wrapped module is traced: the reducer's bookkeeping runs
-        # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
-        # iteration counter, the rebuild flag), which changed every step and recompiled each time.
-        if self._delay_all_reduce_all_params:
+        if self._delay_all_reduce_all_params:  # no reducer, no buffer sync (torch's)
             out = self.module(*inputs, **kwargs)
             self._clear_grad_buffer()
             return out
+        # Under torch.compile only the wrapped module is traced: the reducer's bookkeeping runs
+        # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
+        # iteration counter, the rebuild flag), which changed every step and recompiled each time.
         grad_sync = self._pre_forward()
         # Under torch.compile the module runs compiled in pieces split at the bucket boundaries
         # (hybrid/torch/_compile.py); eagerly this is self.module(*inputs, **kwargs).
