@@ -20,10 +20,12 @@ from torch.distributed.algorithms.join import Join, Joinable
 from hybrid.core import BucketPlan, ddp_size_limits
 from hybrid.core._reducer_state import start_iteration
 from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
-from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters, _unsupported
+from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters
 from hybrid.torch._ddp_parts import unfinished_reduction_message
 from hybrid.torch._collectives import naming
-from hybrid.torch._ddp_api import TorchMethods
+from hybrid.torch._ddp_api import TorchMethods, process_group_for
+from hybrid.torch._ddp_buffers import BufferSync
+from hybrid.torch._ddp_delay import DelayedAllReduce
 from hybrid.torch._ddp_join import _JoinHook
 from hybrid.torch._ddp_mixed import MixedPrecision
 from hybrid.torch._ddp_pickle import Pickling
@@ -42,8 +44,8 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreement, SparseBuckets, Reducer,
-                              nn.Module, Joinable):
+class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync, DelayedAllReduce, RankAgreement,
+                              SparseBuckets, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -69,18 +71,21 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")
-        _unsupported("delay_all_reduce_named_params", delay_all_reduce_named_params, None)
-        _unsupported("device_mesh", device_mesh, None)
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                           "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
-        self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self.process_group = process_group_for(process_group, device_mesh, module)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._init_delayed(delay_all_reduce_named_params, param_to_hook_all_reduce)
         named = _reduced_parameters(module, self.parameters_to_ignore)
-        if not named:
+        if not named and not self._delay_all_reduce_params:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
-        device_types = {p.device.type for _, p in named}
+        # torch's: every parameter not ignored (frozen ones too) decides the device.
+        module_params = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        device_types = {p.device.type for p in module_params}
         if len(device_types) != 1:
             raise ValueError("DistributedDataParallel's input module must be on the same type of devices, "
                              f"but input module parameters locate in {device_types}.")
@@ -90,12 +95,12 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
             raise ValueError("DistributedDataParallel device_ids and output_device arguments only work "
                              "with single-device/multiple-device GPU modules or CPU modules, but got "
                              f"device_ids {device_ids}, output_device {output_device}, and module "
-                             f"parameters { {p.device for _, p in named} }.")
+                             f"parameters { {p.device for p in module_params} }.")
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device if output_device is not None else (device_ids[0] if device_ids else None)
         self.module = module
         self.dim = dim
-        self.device = named[0][1].device
+        self.device = module_params[0].device
         if broadcast_buffers is not None and forward_sync_buffers is not None:
             warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
                           "`broadcast_buffers` is deprecated and its value is ignored when "
@@ -119,7 +124,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
 
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+        self._assign_modules_buffers()
         self._set_world()
         self._divide_by_initial_world_size = True
         self.batched_grad_copy = batched_grad_copy
@@ -138,6 +143,11 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
                 bucket_cap_bytes=None if bucket_cap_mb is None else _cap_bytes(bucket_cap_mb),
                 static_graph=static_graph, find_unused_parameters=find_unused_parameters)
         self._init_mixed_precision(mixed_precision)  # before planning: buckets in the reduce dtype
+
+        if self._delay_all_reduce_params:
+            self._register_delay_all_reduce_hook(device_ids, all_delayed=not named)
+            if not named:
+                return  # torch's: no reducer, and the forward only runs the module
 
         if init_sync:
             self._verify_same_model()
@@ -196,6 +206,10 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
     # ---- forward ----------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        if self._delay_all_reduce_all_params:  # no reducer, no buffer sync (torch's)
+            out = self.module(*inputs, **kwargs)
+            self._clear_grad_buffer()
+            return out
         # Under torch.compile only the wrapped module is traced: the reducer's bookkeeping runs
         # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
         # iteration counter, the rebuild flag), which changed every step and recompiled each time.
@@ -224,7 +238,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
                                  else int(work.result()[0].item()))
         if torch.is_grad_enabled():
             self._maybe_rebuild()
-        if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
+        if self._check_sync_bufs_pre_fwd():
             self._sync_buffers()
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
@@ -233,6 +247,9 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
     @torch.compiler.disable
     def _post_forward(self, out, grad_sync: bool):
         """The output as the caller gets it; with find_unused_parameters, through torch's sink."""
+        # A POST_FORWARD buffer hook; decided, as torch, by the previous forward's sync flag.
+        if self._check_sync_bufs_post_fwd():
+            self._sync_buffers()
         # torch's: a forward without backward sync (no_sync(), no_grad) skips the next buffer sync.
         self.require_forward_param_sync = grad_sync
         if grad_sync:
@@ -252,6 +269,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, RankAgreem
             # Outputs the loss leaves out still reach the backward (with None gradients), so the
             # parameters behind them report in as locally unused, as with torch's _DDPSink.
             out = through_sink(out)
+        self._clear_grad_buffer()  # delayed parameters' .grad: views of their flat buffer
         return out
 
     def _maybe_rebuild(self) -> None:

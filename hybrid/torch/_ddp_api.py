@@ -1,6 +1,7 @@
 """torch's smaller ``DistributedDataParallel`` methods that trainers call after construction:
-``_set_static_graph``, ``_register_builtin_comm_hook``, ``will_sync_module_buffers``,
-``_get_ddp_logging_data``."""
+``_set_static_graph``, ``_register_builtin_comm_hook``, ``_register_fused_optim``,
+``will_sync_module_buffers``, ``_get_ddp_logging_data``; and the process group a ``device_mesh``
+stands for."""
 
 from __future__ import annotations
 
@@ -54,18 +55,25 @@ class TorchMethods:
                              f"{sorted(map(str, _BUILTIN_HOOKS))}")
         self.register_comm_hook(self.process_group, _BUILTIN_HOOKS[comm_hook_type])
 
-    def _register_buffer_comm_hook(self, state, hook, comm_hook_location=None) -> None:
-        raise NotImplementedError(
-            "hybrid.torch.DistributedDataParallel does not support _register_buffer_comm_hook: pass "
-            "forward_sync_buffers=False and reduce ddp.module's buffers yourself after the forward "
-            "(e.g. dist.all_reduce on each buffer), or keep the default broadcast from rank 0")
-
     def _register_fused_optim(self, optim, *args, optim_params=None, **kwargs) -> None:
-        raise NotImplementedError(
-            "hybrid.torch.DistributedDataParallel does not support _register_fused_optim: call your "
-            "optimizer's step() after backward() (the gradients are reduced by then), or use "
-            "hybrid.torch.ZeroRedundancyOptimizer with overlap_with_ddp for an update overlapped "
-            "with the backward pass")
+        """Step ``optim`` (a ``torch.optim`` class; ``args`` / ``kwargs`` its settings) on each
+        bucket's parameters as soon as that bucket is all-reduced, inside the backward (torch's
+        optimizer overlap). ``optim_params``: only these parameters (default: all of them).
+
+        torch's own pieces do it: the functional optimizer of ``optim`` wrapped around
+        ``allreduce_hook`` by ``_hook_then_optimizer``, registered as this DDP's comm hook, so it
+        counts as the one comm hook a DDP may have (before or after another hook: RuntimeError).
+        ``.grad`` still holds the averaged gradient after the backward, as in torch.
+        """
+        # Imported here as torch does: the module imports FSDP and torch's DDP class.
+        from torch.distributed.algorithms._optimizer_overlap import _as_overlapped_optim
+
+        overlapped = _as_overlapped_optim(optim, optim_params, *args, **kwargs)
+        try:
+            overlapped.register_ddp(self)
+        except NotImplementedError as e:
+            raise RuntimeError(f"{optim} does not support overlapped DDP. Please file an issue to PyTorch "
+                               f"or the respective owner of {optim}.") from e
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the module's buffers (torch's rule)."""
@@ -79,7 +87,7 @@ class TorchMethods:
             "backend_name": dist.get_backend(self.process_group),
             # The buckets built at construction, as torch logs them (ddp.bucket_plan: those in use).
             "bucket_sizes": ", ".join(str(b.nbytes) for b in plan_buckets(
-                specs(self.module), size_limits=self._initial_limits).buckets),
+                specs(self.module, self.parameters_to_ignore), size_limits=self._initial_limits).buckets),
             "device_ids": ", ".join(map(str, self.device_ids or [])),
             "dtypes": ", ".join(sorted({_C10_NAMES.get(p.dtype, str(p.dtype)) for p in self._params})),
             "module_name": type(self.module).__name__,
@@ -96,3 +104,20 @@ class TorchMethods:
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._params),
             "world_size": self._world,
         }
+
+
+def process_group_for(process_group, device_mesh, module):
+    """The process group DDP reduces over: ``process_group``, the default group, or dimension 0
+    of a one-dimensional ``device_mesh`` (torch's rules and messages)."""
+    if process_group and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is None:
+        return process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    if device_mesh._get_root_mesh() != device_mesh:
+        # Sliced from a larger mesh (DDP over tensor parallelism): torch turns the module's
+        # DTensor parameters into local tensors for DDP, with the same function.
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        _pre_dp_module_transform(module)
+    return device_mesh.get_group(mesh_dim=0)

@@ -18,7 +18,7 @@ class _JoinHook(JoinHook):
         # Same collectives, same order, as one forward + backward of a rank that still steps.
         ddp = self.ddp
         ddp._maybe_rebuild()
-        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffers_to_sync:
+        if ddp._check_sync_bufs_pre_fwd():  # torch's: a POST_FORWARD buffer hook is not shadowed
             ddp._sync_buffers(rank_cond=False)
         should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
         ddp.require_forward_param_sync = should_sync

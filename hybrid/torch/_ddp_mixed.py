@@ -118,7 +118,7 @@ class MixedPrecision:
 
     def _bucket_specs(self):
         """The specs the bucket plan is built from: in the reduce dtype under mixed precision."""
-        out = specs(self.module)
+        out = specs(self.module, self.parameters_to_ignore)
         if self._mp_bucket_dtype is None:
             return out
         dtype = canonical_dtype(self._mp_bucket_dtype)

@@ -29,15 +29,23 @@ def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str
     return out
 
 
-def specs(module: nn.Module) -> list[TensorSpec]:
+def specs(module: nn.Module, ignore=None) -> list[TensorSpec]:
     """TensorSpecs of the parameters DDP reduces, in registration order; ``sparse`` marks the
     weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` (a bucket of their own).
+
+    Args:
+      module: the wrapped module.
+      ignore: names DDP leaves out (a DDP's ``parameters_to_ignore``); default: the module's
+        ``_ddp_params_and_buffers_to_ignore``.
 
     >>> model = torch.nn.Sequential(torch.nn.Embedding(4, 2, sparse=True), torch.nn.Linear(2, 1))
     >>> [(s.name, s.sparse) for s in specs(model)]
     [('0.weight', True), ('1.weight', False), ('1.bias', False)]
+    >>> [s.name for s in specs(torch.nn.Linear(2, 3), ignore={"bias"})]
+    ['weight']
     """
-    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    if ignore is None:
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype), str(p.device), sparse)
             for (n, p), sparse in zip(_reduced_parameters(module, ignore), expect_sparse_gradient(module, ignore))]
 
@@ -107,11 +115,6 @@ def _bucket_copy_backend(device: torch.device) -> str:
     if device.type != "cuda":
         return "reference"
     return kernels.resolve_backend(None, on_cuda=True)
-
-
-def _unsupported(name, value, default):
-    if value is not default and value != default:
-        raise NotImplementedError(f"hybrid.torch.DistributedDataParallel does not support {name}={value!r}")
 
 
 # torch's reducer.cpp texts for a reduction that did not finish, verbatim (scripts and log

@@ -18,7 +18,7 @@ _DROPPED = frozenset({
     "_comm_hook", "_has_rebuilt", "_last_order", "_expect_hooks", "_state", "_start_state",
     "_static_unused", "_static_globally_unused", "_futures", "_used_work", "_local_used",
     "_pending_unused", "_used_in_window", "_undefined_now", "bucket_plan", "_bufs", "_views", "_bucket_is_last",
-    "_scaled_in", "_kernel_copy", "_fuse_at_hook", "_sparse_metadata"})
+    "_scaled_in", "_kernel_copy", "_fuse_at_hook", "_sparse_metadata", "_installed_futures"})
 
 
 def _uses_default_group(ddp) -> bool:
@@ -43,4 +43,7 @@ class Pickling:
         nn.Module.__setstate__(self, state)
         self.process_group = dist.distributed_c10d._get_default_group()
         self._set_world()
-        self._init_reducer()
+        if self._delay_grad_buffer is not None:
+            self._register_delayed_hook()  # tensor hooks do not travel with a copied parameter
+        if not self._delay_all_reduce_all_params:
+            self._init_reducer()

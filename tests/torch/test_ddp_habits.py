@@ -145,20 +145,3 @@ def test_logging_data_keys_like_torch(runs, world, case):
         for when in ("before", "after"):
             assert set(ours[when]) <= set(ref[when])
             assert ours[when] == {k: ref[when][k] for k in ours[when]}, when
-
-
-
-@pytest.mark.parametrize("call, name", [
-    (lambda d: d._register_buffer_comm_hook(None, lambda state, bufs: None), "_register_buffer_comm_hook"),
-    (lambda d: d._register_fused_optim(torch.optim.SGD, lr=0.1), "_register_fused_optim"),
-])
-def test_unsupported_torch_methods_say_what_to_use(call, name):
-    import torch.distributed as dist
-    from hybrid.torch import DistributedDataParallel
-    from test_ddp import _free_port
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        with pytest.raises(NotImplementedError, match=f"does not support {name}: .*(forward_sync_buffers|step)"):
-            call(DistributedDataParallel(torch.nn.Linear(2, 2)))
-    finally:
-        dist.destroy_process_group()
