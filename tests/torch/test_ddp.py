@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workers  # noqa: E402
+import _workers_errors  # noqa: E402
 
 from hybrid.core._reducer_state import mark_ready, mark_unused, start_iteration  # noqa: E402
 from hybrid.core import TensorSpec, plan_buckets  # noqa: E402
@@ -149,7 +150,7 @@ def test_batched_powerSGD_warmup_matches_torch(parity, world):
 
 @pytest.fixture(scope="module")
 def errors():
-    outdir = _spawn(_workers.errors_worker, 2)
+    outdir = _spawn(_workers_errors.errors_worker, 2)
     return [torch.load(os.path.join(outdir, f"errors_rank{r}.pt")) for r in range(2)]
 
 
@@ -244,7 +245,7 @@ def test_join_throw_on_early_termination_like_torch(parity, world):
 
 def test_dead_peer_raises_quickly():
     outdir = tempfile.mkdtemp(prefix="hybrid_ddp_dead_")
-    mp.spawn(_workers.dead_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
+    mp.spawn(_workers_errors.dead_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
     res = torch.load(os.path.join(outdir, "dead_rank0.pt"))
     assert res["error"] is not None
     assert res["elapsed"] < 5.0, res
@@ -278,7 +279,7 @@ def test_reducer_state_rejects_double_mark_and_tracks_unused():
 
 def test_stalled_peer_respects_process_group_timeout():
     outdir = tempfile.mkdtemp(prefix="hybrid_ddp_stall_")
-    mp.spawn(_workers.stalled_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
+    mp.spawn(_workers_errors.stalled_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
     res = torch.load(os.path.join(outdir, "stalled_rank0.pt"))
     assert res["error"] is not None, res
     assert 1.5 < res["elapsed"] < 5.0, res  # the 2 s timeout, not the peer's 6 s sleep
