@@ -14,17 +14,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Modules the forkserver imports once; every rank forked from it starts with them loaded (a fresh
+# interpreter importing torch is most of a small multi-process test's time on 2 cores).
+PRELOAD = ["torch", "torch.distributed", "hybrid.torch"]
+
+
+def forkserver_context():
+    """The forkserver multiprocessing context, its server preloading :data:`PRELOAD`.
+
+    forkserver rather than fork: the server is a fresh interpreter, so ranks do not inherit the
+    threads (and held locks) that JAX or torch started in the test process.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def forkserver_ranks(target, args, num_reports: int, *, world: int = 2, wait_s: float = 90):
     """Start ``world`` ranks of ``target(*args, rank, port, queue)`` and collect ``num_reports``
     ``(rank, outcome, seconds)`` reports from the queue; returns ``(reports, processes)``.
 
-    forkserver: one clean server process, started once with torch and hybrid imported, forks
-    every rank (spawn's start-up is most of a case's time on a loaded 2-core machine; a plain fork
-    of the test process would copy the threads JAX started in it, and their locks). Ranks still
-    alive after the reports are killed, so a hung rank never outlives its test.
+    Ranks come from :func:`forkserver_context`. Ranks still alive after the reports are killed,
+    so a hung rank never outlives its test.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hybrid.torch"])
+    ctx = forkserver_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(*args, r, port, out), daemon=True) for r in range(world)]

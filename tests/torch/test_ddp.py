@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _workers  # noqa: E402
 import _workers_errors  # noqa: E402
 
+from tests._procs import forkserver_context  # noqa: E402
 from hybrid.core._reducer_state import mark_ready, mark_unused, start_iteration  # noqa: E402
 from hybrid.core import TensorSpec, plan_buckets  # noqa: E402
 
@@ -32,9 +33,18 @@ def _free_port() -> int:
 
 
 def _spawn(fn, world, *args):
+    """``fn(rank, world, port, outdir, *args)`` on ``world`` ranks forked from the preloaded
+    forkserver (tests/_procs.py); returns ``outdir``, where the ranks saved their results."""
     outdir = tempfile.mkdtemp(prefix="hybrid_ddp_")
-    mp.spawn(fn, args=(world, _free_port(), outdir, *args), nprocs=world, join=True)
+    forkserver_context()  # sets the server's preload before its first start
+    mp.start_processes(fn, args=(world, _free_port(), outdir, *args), nprocs=world, join=True,
+                       start_method="forkserver")
     return outdir
+
+
+def _spawn_into(outdir, fn, world):
+    forkserver_context()
+    mp.start_processes(fn, args=(world, _free_port(), outdir), nprocs=world, join=True, start_method="forkserver")
 
 
 class LazyWorlds(dict):
@@ -245,7 +255,7 @@ def test_join_throw_on_early_termination_like_torch(parity, world):
 
 def test_dead_peer_raises_quickly():
     outdir = tempfile.mkdtemp(prefix="hybrid_ddp_dead_")
-    mp.spawn(_workers_errors.dead_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
+    _spawn_into(outdir, _workers_errors.dead_peer_worker, 2)
     res = torch.load(os.path.join(outdir, "dead_rank0.pt"))
     assert res["error"] is not None
     assert res["elapsed"] < 5.0, res
@@ -279,7 +289,7 @@ def test_reducer_state_rejects_double_mark_and_tracks_unused():
 
 def test_stalled_peer_respects_process_group_timeout():
     outdir = tempfile.mkdtemp(prefix="hybrid_ddp_stall_")
-    mp.spawn(_workers_errors.stalled_peer_worker, args=(2, _free_port(), outdir), nprocs=2, join=True)
+    _spawn_into(outdir, _workers_errors.stalled_peer_worker, 2)
     res = torch.load(os.path.join(outdir, "stalled_rank0.pt"))
     assert res["error"] is not None, res
     assert 1.5 < res["elapsed"] < 5.0, res  # the 2 s timeout, not the peer's 6 s sleep

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import multiprocessing as mp
 import queue
 import socket
 import traceback
+
+from tests._procs import forkserver_context
 
 # A hung collective must turn into an error well inside pytest's 180 s per-test timeout.
 COLLECTIVE_TIMEOUT_S = 45
@@ -49,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, module: str, case_ids: list[s
 
 def run_world(module: str, case_ids: list[str], world_size: int, *, timeout_s: float) -> dict[str, list[str]]:
     """``{case_id: [errors from any rank]}``; a case a rank never reported counts as an error."""
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, module, case_ids, out), daemon=True)
