@@ -161,3 +161,28 @@ def unfinished_reduction_message(rank: int, missing, names, *, static_graph: boo
     if dist.get_debug_level() == dist.DebugLevel.OFF:
         return text + indices + named
     return text + named + indices
+
+
+_MARKED_TWICE = (
+    "Expected to mark a variable ready only once. This error is caused by one of the following reasons: "
+    "1) Use of a module parameter outside the `forward` function. Please make sure model parameters are "
+    "not shared across multiple concurrent forward-backward passes. or try to use _set_static_graph() as a "
+    "workaround if this module graph does not change during training loop.2) Reused parameters in multiple "
+    "reentrant backward passes. For example, if you use multiple `checkpoint` functions to wrap the same "
+    "part of your model, it would result in the same set of parameters been used by different reentrant "
+    "backward passes multiple times, and hence marking a variable ready multiple times. DDP does not "
+    "support such use cases in default. You can try to use _set_static_graph() as a workaround if your "
+    "module graph does not change over iterations.")
+
+
+def marked_twice_message(index: int, name: str) -> str:
+    """torch's error (verbatim, its double space included) when a parameter's gradient hook fires
+    twice in one iteration: a reentrant ``checkpoint`` over it with ``find_unused_parameters``, or
+    a parameter shared by concurrent forward-backward passes.
+
+    >>> marked_twice_message(1, "a.bias").splitlines()[1][:48]
+    'Parameter at index 1 with name a.bias has been m'
+    """
+    return (f"{_MARKED_TWICE}\nParameter at index {index} with name {name} has been marked as ready twice. "
+            "This means that multiple autograd engine  hooks have fired for this particular parameter "
+            "during this iteration.")

@@ -15,7 +15,7 @@ from hybrid import kernels
 from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
 from hybrid.torch._collectives import naming
-from hybrid.torch._ddp_parts import GradBucket
+from hybrid.torch._ddp_parts import GradBucket, marked_twice_message
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -92,7 +92,12 @@ class Reducer:
             except RuntimeError:
                 self._sparse_into_dense_error([index])  # a sparse gradient has no data_ptr
                 raise
-        state, launch = mark_ready(state, index)
+        try:
+            state, launch = mark_ready(state, index)
+        except RuntimeError:
+            if state.ready_order and index in state.ready_order:
+                raise RuntimeError(marked_twice_message(index, self._names[index])) from None
+            raise
         if self._delaying:
             # static_graph's first iteration: only record; _finalize reduces everything at the end
             # (torch's delay_all_reduce), once it knows which parameters the graph leaves unused.

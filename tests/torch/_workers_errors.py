@@ -88,11 +88,35 @@ def errors_worker(rank, world, port, outdir):
     res["cap_differs"] = _expect(lambda: HybridDDP(MLP(), bucket_cap_mb=1 if rank == 0 else 25))
     res["unsupported"] = _expect(lambda: HybridDDP(MLP(), mixed_precision=object()))
     res["unfinished_texts"] = _unfinished_reduction_texts(rank)
+    for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+        res[f"marked_twice_{label}"] = _expect(lambda: _reentrant_checkpoint_twice(cls))
+        dist.barrier()
     res["state_dict_keys"] = sorted(HybridDDP(MLP()).state_dict().keys())
     res["torch_state_dict_keys"] = sorted(TorchDDP(MLP()).state_dict().keys())
     torch.save(res, os.path.join(outdir, f"errors_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _Checkpointed(nn.Module):
+    """``a`` under a reentrant activation checkpoint: its gradient hooks fire in a second,
+    nested backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return self.b(checkpoint(self.a, x, use_reentrant=True))
+
+
+def _reentrant_checkpoint_twice(cls):
+    """torch's "marked ready twice": with find_unused_parameters, the checkpointed parameters are
+    marked unused by the search from the outputs, then their hooks fire in the reentrant backward."""
+    torch.manual_seed(0)
+    ddp = cls(_Checkpointed(), find_unused_parameters=True)
+    ddp(torch.ones(2, 4, requires_grad=True)).sum().backward()
 
 
 class _TwoHeads(nn.Module):

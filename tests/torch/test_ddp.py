@@ -212,6 +212,15 @@ def test_unused_error_names_the_parameters(errors):
     assert "never.weight" in msg and "sometimes.weight" in msg and "a.weight" not in msg
 
 
+def test_marked_ready_twice_text_is_torchs(errors):
+    # A reentrant checkpoint with find_unused_parameters: torch's text, naming the parameter.
+    for res in errors:
+        ref, ours = res["marked_twice_torch"], res["marked_twice_hybrid"]
+        assert ref is not None and "Expected to mark a variable ready only once" in ref[1], ref
+        assert "with name a.bias has been marked as ready twice" in ref[1], ref
+        assert ours == ref, f"{ours}\n--- torch:\n{ref}"
+
+
 @pytest.mark.parametrize("misuse", ["plain", "find_unused", "static"])
 def test_unfinished_reduction_text_is_torchs(errors, misuse):
     # torch's reducer text, all three wordings. With TORCH_DISTRIBUTED_DEBUG=INFO (DETAIL prints
