@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch.distributed as dist
+
 
 _WHY = "failed (a peer died or stalled past the process group's timeout)"
 
@@ -21,14 +23,35 @@ def collective_failed(what: str, error: BaseException) -> RuntimeError:
     return RuntimeError(f"{what} {_WHY}: {error}")
 
 
+# How gloo and NCCL word a peer that went away or a wait that ran out (their errors reach Python as
+# plain RuntimeErrors when they come through a Future).
+_BACKEND_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is the backend reporting a failed collective (a dead or stalled peer),
+    rather than, say, a bug in a comm hook's own code, which must surface as it is.
+
+    >>> is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:537] Connection reset by peer"))
+    True
+    >>> is_collective_failure(RuntimeError("Cannot access data pointer of Tensor"))
+    False
+    """
+    if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    text = str(error)
+    return any(mark in text for mark in _BACKEND_MARKS)
+
+
 @contextlib.contextmanager
 def naming(what: str):
-    """Run a collective (or a wait on one); a failure raises :func:`collective_failed` for ``what``."""
+    """Run a collective (or a wait on one); a backend failure raises :func:`collective_failed`
+    for ``what``; any other error passes through untouched."""
     try:
         yield
     except RuntimeError as e:  # gloo/NCCL errors and DistBackendError (a subclass)
-        if _WHY in str(e):
-            raise  # already names its collective (a comm hook's own, say): the innermost is the one
+        if _WHY in str(e) or not is_collective_failure(e):
+            raise  # already named (a comm hook's own), or not the backend's: surface it as it is
         raise collective_failed(what, e) from e
 
 

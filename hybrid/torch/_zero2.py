@@ -25,7 +25,7 @@ from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero2_grads import GradientInShards, clip_grad_norm_
 from hybrid.torch._zero2_state import ShardedState, _all_gather, _take
-from hybrid.torch._zero_parts import _wait
+from hybrid.torch._zero_parts import _refuse_sparse, _wait
 
 __all__ = ["ZeRO2"]
 
@@ -105,6 +105,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
             # torch's optimizers skip a parameter whose .grad is None; a flat slice cannot skip
             # part of itself, so an unused parameter would see a zero gradient instead.
             raise NotImplementedError("ZeRO2 does not support find_unused_parameters=True")
+        _refuse_sparse(module, "ZeRO2")
         Joinable.__init__(self)
         self._ddp = module
         self.process_group = module.process_group

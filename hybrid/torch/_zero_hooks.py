@@ -34,7 +34,7 @@ from hybrid.core import BucketAssignment, BucketPlan, assign_buckets
 from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero import ZeroRedundancyOptimizer
-from hybrid.torch._zero_parts import _wait
+from hybrid.torch._zero_parts import _refuse_sparse, _wait
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -58,6 +58,7 @@ class _Overlap:
                              f"{len(zero.param_groups)}")
         self.ddp, self.zero, self.shard_buckets = ddp, zero, bool(shard_buckets)
         self.name = "hook_with_zero_step_interleaved" if own_group else "hook_with_zero_step"  # in errors
+        _refuse_sparse(ddp, self.name)
         self.group = ddp.process_group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)

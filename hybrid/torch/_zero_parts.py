@@ -84,3 +84,15 @@ def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
         for key, value in s.items():
             if key != "params":
                 d[key] = value
+
+
+def _refuse_sparse(ddp, who: str) -> None:
+    """ZeRO shards flat dense buckets: a DDP bucket holding a sparse gradient cannot be sharded."""
+    for bucket in ddp.bucket_plan.buckets:
+        if bucket.sparse:
+            name = ddp._names[bucket.members[0]]
+            raise NotImplementedError(
+                f"{who} does not support sparse gradients: parameter {name!r} gets one (an nn.Embedding "
+                "or nn.EmbeddingBag with sparse=True). Use sparse=False for it, or step a plain "
+                "optimizer after DistributedDataParallel's backward (sparse gradients are all-reduced "
+                "there), or hybrid.torch.ZeroRedundancyOptimizer without overlap_with_ddp.")

@@ -102,6 +102,41 @@ def _fault_worker(case, rank, port, out):
         out.put((rank, (f"{type(e).__name__}: {e}", unchanged, len(grads)), seconds))
 
 
+def _hook_bug_worker(rank, port, out):
+    """Both ranks healthy; the comm hook's Future callback raises: that error, not a dead peer."""
+    import torch.distributed as dist
+
+    from hybrid.torch import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+
+    def buggy(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+
+        def callback(f):
+            raise RuntimeError("a bug in the hook's own code")
+        return fut.then(callback)
+    ddp.register_comm_hook(None, buggy)
+    t0 = time.monotonic()
+    try:
+        ddp(torch.ones(3, 4)).sum().backward()
+        out.put((rank, "returned", time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
+
+
+@pytest.mark.timeout(120)
+def test_comm_hook_bug_is_not_reported_as_a_dead_peer():
+    reports, _ = forkserver_ranks(_hook_bug_worker, (), 2)
+    for rank, (outcome, _) in reports.items():
+        assert "a bug in the hook's own code" in outcome, (rank, outcome)
+        assert "peer died" not in outcome, (rank, outcome)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(CASES))
 def test_ddp_peer_fault_raises_naming_the_collective(case):

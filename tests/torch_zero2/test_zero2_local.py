@@ -85,3 +85,29 @@ def test_load_state_dict_with_other_groups_raises(world_of_one):
     plain = torch.optim.Adam([{"params": [ddp.module.weight]}, {"params": [ddp.module.bias]}], lr=0.1)
     with pytest.raises(ValueError, match=r"groups of \[1, 1\] parameters, this optimizer \[2\]"):
         opt.load_state_dict(plain.state_dict())
+
+
+class _SparseTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(10, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.head(self.table(ids))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ddp: ZeRO2(ddp, torch.optim.SGD, lr=0.1),
+    lambda ddp: hybrid.torch.hook_with_zero_step(allreduce_hook, ddp, ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)),
+    lambda ddp: hybrid.torch.hook_with_zero_step_interleaved(allreduce_hook, ddp, ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)),
+])
+def test_sparse_gradients_are_refused_by_name(world_of_one, make):
+    # A sparse gradient sits alone in its DDP bucket; ZeRO2 and the overlap hooks shard flat dense
+    # buckets. They used to fail in the middle of the first backward (as_strided on a sparse
+    # tensor, a data pointer without storage); now at construction, naming the parameter.
+    ddp = DistributedDataParallel(_SparseTable())
+    with pytest.raises(NotImplementedError, match="does not support sparse gradients: parameter 'table.weight'"):
+        make(ddp)
