@@ -268,7 +268,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         if self.find_unused_parameters and not self.static_graph:
             # Outputs the loss leaves out still reach the backward (with None gradients), so the
             # parameters behind them report in as locally unused, as with torch's _DDPSink.
-            out = through_sink(out)
+            out = through_sink(out, clone=self._ddp_sink_clone)
         self._clear_grad_buffer()  # delayed parameters' .grad: views of their flat buffer
         return out
 

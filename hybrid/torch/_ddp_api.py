@@ -5,6 +5,7 @@ stands for."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -12,6 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.utils import _to_kwargs
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from hybrid.core import plan_buckets
 from hybrid.torch._ddp_parts import specs
@@ -28,6 +32,30 @@ _C10_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c
 
 class TorchMethods:
     """Mixed into :class:`hybrid.torch.DistributedDataParallel`."""
+
+    # torch's own static helpers, unchanged: they mark and read ``_ddp_ignored`` on the module's
+    # tensors and ``_ddp_params_and_buffers_to_ignore`` on the module, which ours honours too.
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(
+        _TorchDDP._set_params_and_buffers_to_ignore_for_model)
+    _get_data_parallel_params = staticmethod(_TorchDDP._get_data_parallel_params)
+
+    _ddp_sink_clone = True
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """Whether the find_unused_parameters sink clones the outputs (torch's default: True,
+        so a loss modified in place does not trip autograd's view check)."""
+        self._ddp_sink_clone = val
+
+    # torch keeps these DataParallel-era helpers "for BC"; same bodies.
+    def scatter(self, inputs, kwargs, device_ids):
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def to_kwargs(self, inputs, kwargs, device_id):
+        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id),
+                          os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")
+
+    def gather(self, outputs, output_device):
+        return gather(outputs, output_device, dim=self.dim)
 
     def _set_static_graph(self) -> None:
         """``static_graph=True`` after construction, before the first forward (torch's rules)."""

@@ -17,18 +17,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 class _Sink(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, *tensors):
+    def forward(ctx, clone, *tensors):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
-        # Clones, as torch's sink (its default _ddp_sink_clone): an output that is a view or an
-        # input of the module does not become the node's output in place.
-        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in tensors)
+        # Clones unless ddp._set_ddp_sink_clone(False), as torch's sink: a loss modified in place
+        # would otherwise trip autograd's check on the Function's outputs.
+        return tuple(t.clone() for t in tensors) if clone else tensors
 
     @staticmethod
     def backward(ctx, *grads):
-        return grads
+        return (None, *grads)
 
 
-def through_sink(output):
+def through_sink(output, clone: bool = True):
     """``output`` rebuilt with every tensor that has a ``grad_fn`` passed through one sink node
     (torch's ``_post_forward``); tensors without one and non-tensors are returned as they are.
 
@@ -41,7 +41,7 @@ def through_sink(output):
     routed = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not routed:
         return output
-    passed = _Sink.apply(*(leaves[i] for i in routed))
+    passed = _Sink.apply(clone, *(leaves[i] for i in routed))
     for i, t in zip(routed, passed):
         leaves[i] = t
     return tree_unflatten(leaves, spec)
