@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import os
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -261,6 +262,25 @@ def _init(rank, world, port, timeout_s=30):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
+
+
+def side_by_side(fn, rank, world, *args):
+    """``fn(cls, rank, world, *args)`` under torch's DDP class, then ours, in this process:
+    ``{"torch": ..., "hybrid": ...}``, each ``{"result": ...}`` or ``{"error": (type, text),
+    "traceback": ...}``, with the warnings it raised (FutureWarning and DeprecationWarning aside).
+    Where one fails it fails on every rank at the same collective: a barrier realigns the ranks."""
+    out = {}
+    for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out[label] = {"result": fn(cls, rank, world, *args)}
+            except Exception as e:  # noqa: BLE001 - compared with torch's outcome by the test
+                out[label] = {"error": (type(e).__name__, str(e)), "traceback": traceback.format_exc()}
+        out[label]["warnings"] = [str(w.message) for w in caught
+                                  if not issubclass(w.category, (FutureWarning, DeprecationWarning))]
+        dist.barrier()
+    return out
 
 
 def parity_worker(rank, world, port, outdir, case_names):

@@ -6,17 +6,14 @@ processes, results saved per rank."""
 from __future__ import annotations
 
 import os
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
-from _workers import MLP, ConvBN, _data, _init, _loss
+from _workers import MLP, ConvBN, _data, _init, _loss, side_by_side
 from hybrid.torch import DistributedDataParallel as HybridDDP
 
 STEPS = 4
@@ -310,18 +307,7 @@ def _args(args, world):
 
 def api_worker(rank, world, port, outdir, case_names):
     _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
-    results = {}
-    for name in case_names:
-        fn, args = CASES[name]
-        out = {}
-        for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
-            with warnings.catch_warnings(record=True):
-                warnings.simplefilter("always")
-                try:
-                    out[label] = {"result": fn(cls, rank, world, *_args(args, world))}
-                except Exception as e:  # noqa: BLE001 - compared with torch's outcome by the test
-                    out[label] = {"error": (type(e).__name__, str(e)), "traceback": traceback.format_exc()}
-            dist.barrier()
-        results[name] = out
+    results = {name: side_by_side(CASES[name][0], rank, world, *_args(CASES[name][1], world))
+               for name in case_names}
     torch.save(results, os.path.join(outdir, f"api_rank{rank}.pt"))
     dist.destroy_process_group()

@@ -8,15 +8,11 @@ import copy
 import io
 import os
 import pickle
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from _workers import MLP, ConvBN, Unused, _data, _init, _loss  # noqa: F401 - Unused for the test
-from hybrid.torch import DistributedDataParallel as HybridDDP
+from _workers import MLP, ConvBN, Unused, _data, _init, _loss, side_by_side  # noqa: F401 - Unused for the test
 
 
 def _model(name, rank):
@@ -177,20 +173,6 @@ CASES = {
 
 def habits_worker(rank, world, port, outdir, case_names):
     _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
-    results = {}
-    for name in case_names:
-        fn, args = CASES[name]
-        out = {}
-        for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    out[label] = {"result": fn(cls, rank, world, *args)}
-                except Exception as e:  # noqa: BLE001 - compared with torch's outcome by the test
-                    out[label] = {"error": (type(e).__name__, str(e)), "traceback": traceback.format_exc()}
-            out[label]["warnings"] = [str(w.message) for w in caught
-                                      if not issubclass(w.category, (FutureWarning, DeprecationWarning))]
-            dist.barrier()
-        results[name] = out
+    results = {name: side_by_side(CASES[name][0], rank, world, *CASES[name][1]) for name in case_names}
     torch.save(results, os.path.join(outdir, f"habits_rank{rank}.pt"))
     dist.destroy_process_group()

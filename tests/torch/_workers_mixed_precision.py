@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
-from _workers import _data, _init
+from _workers import _data, _init, side_by_side
 from hybrid.torch import DistributedDataParallel as HybridDDP
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -213,18 +211,8 @@ def mixed_precision_worker(rank, world, port, outdir, case_names):
     results = {}
     for name in case_names:
         fn, args = CASES[name]
-        out = {}
-        for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                try:
-                    out[label] = {"result": fn(cls, rank, world, *args)}
-                except Exception as e:  # noqa: BLE001 - compared with torch's outcome by the test
-                    out[label] = {"error": (type(e).__name__, str(e)), "traceback": traceback.format_exc()}
-            # Where torch fails, it fails on every rank at the same collective: a barrier realigns.
-            dist.barrier()
+        results[name] = side_by_side(fn, rank, world, *args)
         if fn is train:
-            out["reference"] = reference_first_grads(rank, world, args[0], args[1])
-        results[name] = out
+            results[name]["reference"] = reference_first_grads(rank, world, args[0], args[1])
     torch.save(results, os.path.join(outdir, f"mixed_precision_rank{rank}.pt"))
     dist.destroy_process_group()

@@ -5,17 +5,13 @@ saved per rank. Gradients are saved as they are (sparse COO tensors stay sparse)
 from __future__ import annotations
 
 import os
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from _workers import _init
-from hybrid.torch import DistributedDataParallel as HybridDDP
+from _workers import _init, side_by_side
 
 ROWS = 40
 
@@ -224,18 +220,6 @@ CASES = {
 
 def sparse_worker(rank, world, port, outdir, case_names):
     _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
-    results = {}
-    for name in case_names:
-        fn, args = CASES[name]
-        out = {}
-        for label, cls in (("torch", TorchDDP), ("hybrid", HybridDDP)):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                try:
-                    out[label] = {"result": fn(cls, rank, world, *args)}
-                except Exception as e:  # noqa: BLE001 - compared with torch's outcome by the test
-                    out[label] = {"error": (type(e).__name__, str(e)), "traceback": traceback.format_exc()}
-            dist.barrier()
-        results[name] = out
+    results = {name: side_by_side(CASES[name][0], rank, world, *CASES[name][1]) for name in case_names}
     torch.save(results, os.path.join(outdir, f"sparse_rank{rank}.pt"))
     dist.destroy_process_group()
