@@ -47,6 +47,19 @@ def _spawn_into(outdir, fn, world):
     mp.start_processes(fn, args=(world, _free_port(), outdir), nprocs=world, join=True, start_method="forkserver")
 
 
+def close_nested(a, b):
+    """``a`` and ``b`` (tensors, None, or lists/tuples of them, nested) equal within RTOL/ATOL;
+    a None must be None on both sides (a gradient that stayed None)."""
+    if a is None or b is None:
+        assert a is None and b is None, (a, b)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            close_nested(x, y)
+    else:
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
 class LazyWorlds(dict):
     """Every case of one world size run in one spawn when a test first asks for that world (so each
     spawn counts against one test's timeout, not all three against the first): ``self[world]`` is

@@ -17,7 +17,7 @@ from hybrid.torch import DistributedDataParallel as HybridDDP
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workers_api  # noqa: E402
-from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds  # noqa: E402
+from test_ddp import WORLD_SIZES, LazyWorlds, close_nested as _close  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +43,6 @@ def _errors(runs, world, case):
         assert "error" in ref and "error" in ours, (ref, ours)
         out.append((ref["error"], ours["error"]))
     return out
-
-
-def _close(a, b):
-    if a is None or b is None:
-        assert a is None and b is None, (a, b)
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _close(x, y)
-    else:
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 def _same_on_every_rank(results, key):

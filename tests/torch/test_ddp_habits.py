@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workers_habits  # noqa: E402
-from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds  # noqa: E402
+from test_ddp import WORLD_SIZES, LazyWorlds, close_nested as _close  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +28,6 @@ def _results(runs, world, case):
             assert "error" not in res[case][label], f"{label}:\n{res[case][label].get('traceback')}"
         out.append((res[case]["torch"]["result"], res[case]["hybrid"]["result"]))
     return out
-
-
-def _close(a, b):
-    if a is None or b is None:
-        assert a is None and b is None, (a, b)
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _close(x, y)
-    else:
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 PICKLE_CASES = sorted(c for c in _workers_habits.CASES
