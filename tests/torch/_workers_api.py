@@ -30,6 +30,16 @@ def _model(name, rank):
     return model
 
 
+def _train_mlp(ddp, opt, rank):
+    """STEPS plain steps on the "mlp" data; the snapshot after them."""
+    for step in range(STEPS):
+        x, y = _data(rank, step, "mlp")
+        _loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _snapshot(ddp)
+
+
 def _snapshot(ddp):
     return {"params": [p.detach().clone() for p in ddp.module.parameters()],
             "buffers": [b.detach().clone() for b in ddp.module.buffers()]}
@@ -221,12 +231,7 @@ def frozen_reference(cls, rank, world):
     model.layers[0].bias.requires_grad_(False)  # layers.0.weight's gradient comes last
     ddp = cls(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
-    for step in range(STEPS):
-        x, y = _data(rank, step, "mlp")
-        _loss(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return _snapshot(ddp)
+    return _train_mlp(ddp, opt, rank)
 
 
 def delay_half_given(cls, rank, world):
@@ -251,12 +256,7 @@ def mesh(cls, rank, world, shape, sliced=False):
     assert ddp.device_mesh is device_mesh
     assert dist.get_world_size(ddp.process_group) == world
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    for step in range(STEPS):
-        x, y = _data(rank, step, "mlp")
-        _loss(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return _snapshot(ddp)
+    return _train_mlp(ddp, opt, rank)
 
 
 def mesh_and_group(cls, rank, world):
