@@ -25,7 +25,7 @@ def collective_failed(what: str, error: BaseException) -> RuntimeError:
 
 # How gloo and NCCL word a peer that went away or a wait that ran out (their errors reach Python as
 # plain RuntimeErrors when they come through a Future).
-_BACKEND_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out")
+_BACKEND_MARKS = ("gloo", "nccl", "connection reset", "connection closed", "timed out", "timeout", "pair closure")
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -34,24 +34,28 @@ def is_collective_failure(error: BaseException) -> bool:
 
     >>> is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:537] Connection reset by peer"))
     True
+    >>> is_collective_failure(RuntimeError("Application timeout caused pair closure"))
+    True
     >>> is_collective_failure(RuntimeError("Cannot access data pointer of Tensor"))
     False
     """
     if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
         return True
-    text = str(error)
+    text = str(error).lower()
     return any(mark in text for mark in _BACKEND_MARKS)
 
 
 @contextlib.contextmanager
-def naming(what: str):
-    """Run a collective (or a wait on one); a backend failure raises :func:`collective_failed`
-    for ``what``; any other error passes through untouched."""
+def naming(what: str, *, user_code: bool = False):
+    """Run a collective (or a wait on one); its failure raises :func:`collective_failed` for
+    ``what``. With ``user_code`` (a comm hook's Future, whose callbacks are the user's), only what
+    :func:`is_collective_failure` recognises as the backend's is renamed; a bug in the user's code
+    passes through untouched."""
     try:
         yield
     except RuntimeError as e:  # gloo/NCCL errors and DistBackendError (a subclass)
-        if _WHY in str(e) or not is_collective_failure(e):
-            raise  # already named (a comm hook's own), or not the backend's: surface it as it is
+        if _WHY in str(e) or (user_code and not is_collective_failure(e)):
+            raise  # already named (a comm hook's own), or the user's own error: surface it as it is
         raise collective_failed(what, e) from e
 
 

@@ -204,7 +204,8 @@ class Reducer:
         unused = set(state.unused).union(self._undefined_now) if self._undefined_now else state.unused
         stream = not unused and not self._comm_hook_owns_grads and not self._grads_in_buckets
         for b, fut in enumerate(self._futures):
-            with naming(f"DistributedDataParallel backward: the {self._reduction_name} of gradient bucket {b}"):
+            with naming(f"DistributedDataParallel backward: the {self._reduction_name} of gradient bucket {b}",
+                        user_code=self._comm_hook is not None):
                 value = fut.wait()
             value = _hook_tensor(value, b)
             if self.bucket_plan.buckets[b].sparse:
