@@ -10,11 +10,12 @@ from torch import nn
 
 from hybrid import kernels
 from hybrid.core import TensorSpec, canonical_dtype
-from hybrid.torch._ddp_sparse import expect_sparse_gradient
+from hybrid.torch._ddp_sparse import expects_sparse_gradient
 
 
-def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) pairs DDP reduces: requires_grad, not ignored, shared ones once.
+def _reduced_with_owners(module: nn.Module, ignore=frozenset()) -> list[tuple[str, nn.Parameter, nn.Module]]:
+    """(name, parameter, owning module) for each parameter DDP reduces: requires_grad, not ignored,
+    shared ones once, under their first owner.
 
     Same order as torch's ``_build_params_for_reducer`` (named_modules, then each module's own
     parameters), which fixes the registration order the bucket plan is built on.
@@ -25,8 +26,13 @@ def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str
             name = f"{mname}.{pname}" if mname else pname
             if p.requires_grad and name not in ignore and p not in memo:
                 memo.add(p)
-                out.append((name, p))
+                out.append((name, p, m))
     return out
+
+
+def _reduced_parameters(module: nn.Module, ignore=frozenset()) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) pairs DDP reduces, in registration order (:func:`_reduced_with_owners`)."""
+    return [(name, p) for name, p, _ in _reduced_with_owners(module, ignore)]
 
 
 def specs(module: nn.Module, ignore=None) -> list[TensorSpec]:
@@ -46,8 +52,8 @@ def specs(module: nn.Module, ignore=None) -> list[TensorSpec]:
     """
     if ignore is None:
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype), str(p.device), sparse)
-            for (n, p), sparse in zip(_reduced_parameters(module, ignore), expect_sparse_gradient(module, ignore))]
+    return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype), str(p.device), expects_sparse_gradient(m))
+            for n, p, m in _reduced_with_owners(module, ignore)]
 
 
 class GradBucket:

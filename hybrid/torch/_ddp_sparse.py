@@ -20,24 +20,14 @@ _NOT_SPARSE_HINT = ("only the weights of nn.Embedding / nn.EmbeddingBag modules 
                     "are reduced as sparse gradients")
 
 
-def expect_sparse_gradient(module: nn.Module, ignore=frozenset()) -> list[bool]:
-    """Per reduced parameter (``_reduced_parameters`` order), whether DDP expects a sparse gradient.
+def expects_sparse_gradient(owner: nn.Module) -> bool:
+    """Whether DDP expects a sparse gradient for a parameter first owned by ``owner`` (torch's
+    ``_build_params_for_reducer`` rule: an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True``).
 
-    torch's ``_build_params_for_reducer`` rule: the parameter's first owning module (in
-    ``named_modules`` order) is an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True``.
-
-    >>> expect_sparse_gradient(torch.nn.Sequential(torch.nn.Embedding(4, 2, sparse=True), torch.nn.Linear(2, 1)))
-    [True, False, False]
+    >>> expects_sparse_gradient(torch.nn.Embedding(4, 2, sparse=True)), expects_sparse_gradient(torch.nn.Linear(2, 1))
+    (True, False)
     """
-    out, memo = [], set()
-    for mname, m in module.named_modules():
-        sparse = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and bool(m.sparse)
-        for pname, p in m.named_parameters(recurse=False):
-            name = f"{mname}.{pname}" if mname else pname
-            if p.requires_grad and name not in ignore and p not in memo:
-                memo.add(p)
-                out.append(sparse)
-    return out
+    return isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and bool(owner.sparse)
 
 
 def sparse_placeholder(param: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ from torch.optim import Optimizer
 from hybrid.core import ParamPartition, partition_params, plan_buckets
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero_state import ConsolidatedState
-from hybrid.torch._zero_parts import (_check_params, _check_same_dense_type, _collective_failed,
-                                      _spec, _sync_param_groups, _wait)
+from hybrid.torch._collectives import collective_failed, wait_all
+from hybrid.torch._zero_parts import _check_params, _check_same_dense_type, _spec, _sync_param_groups
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -200,7 +200,7 @@ class ZeroRedundancyOptimizer(ConsolidatedState, Optimizer, Joinable):
             what = ("ZeroRedundancyOptimizer.step: the cross-rank check of the parameter groups "
                     "(add_param_group called on some ranks only?)" if phase == _STEP else
                     "ZeroRedundancyOptimizer: the cross-rank check of the partition")
-            raise _collective_failed(what, e) from e
+            raise collective_failed(what, e) from e
         rows = table.tolist()
         if len({row[2] for row in rows}) > 1:
             calls = {}
@@ -301,12 +301,12 @@ class ZeroRedundancyOptimizer(ConsolidatedState, Optimizer, Joinable):
 
     def _finish_broadcasts(self, handles: list, ranks) -> None:
         handles += self._broadcast_shares(ranks)
-        _wait(handles)
+        wait_all(handles)
 
     def _broadcast_shares(self, ranks) -> list:
         """Start the broadcasts of these ranks' shares (each from its owner): one per bucket with
         bucket views, else one per parameter. Every rank starts them in the same order.
-        Returns ``(what, work)`` pairs for :func:`_wait`."""
+        Returns ``(what, work)`` pairs for ``wait_all``."""
         params = self._params
         handles = []
         for rank in ranks:

@@ -25,7 +25,8 @@ from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero2_grads import GradientInShards, clip_grad_norm_
 from hybrid.torch._zero2_state import ShardedState, _all_gather, _take
-from hybrid.torch._zero_parts import _refuse_sparse, _wait
+from hybrid.torch._collectives import wait_all
+from hybrid.torch._zero_parts import _refuse_sparse
 
 __all__ = ["ZeRO2"]
 
@@ -233,7 +234,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         self._stand_in_grads(bucket)
 
         def keep_slice(done):
-            _wait([(f"ZeRO2 (DDP comm hook): the reduce-scatter of gradient bucket {b}", done)])
+            wait_all([(f"ZeRO2 (DDP comm hook): the reduce-scatter of gradient bucket {b}", done)])
             g = out.float()
             if self._grads[b] is None:
                 self._grads[b] = g
@@ -251,7 +252,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         start, stop = self._grad_shards.shard_range(b, self.rank)
 
         def keep_slice(done):
-            _wait([(f"ZeRO2 (DDP comm hook): the all-reduce of gradient bucket {b}", done)])
+            wait_all([(f"ZeRO2 (DDP comm hook): the all-reduce of gradient bucket {b}", done)])
             g = torch.zeros(stop - start, dtype=torch.float32, device=buf.device)
             valid = buf[start:min(stop, buf.numel())]
             g[:valid.numel()] = valid
@@ -392,4 +393,4 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
                 works += [(f"ZeRO2.step: the broadcast of rank {r}'s slice of bucket {b}",
                            dist.broadcast(full[r * size:(r + 1) * size], src=dist.get_global_rank(self.process_group, r),
                                           group=self.process_group, async_op=True)) for r in range(self.world_size)]
-        _wait(works)
+        wait_all(works)

@@ -34,7 +34,8 @@ from hybrid.core import BucketAssignment, BucketPlan, assign_buckets
 from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero import ZeroRedundancyOptimizer
-from hybrid.torch._zero_parts import _refuse_sparse, _wait
+from hybrid.torch._collectives import wait_all
+from hybrid.torch._zero_parts import _refuse_sparse
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -203,7 +204,7 @@ class _Overlap:
     def finish(self) -> None:
         """Wait for this iteration's broadcasts (they wrote the parameters in place)."""
         pending, self.pending = self.pending, []
-        _wait(pending)
+        wait_all(pending)
 
 
 def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,

@@ -7,8 +7,6 @@ from typing import Any
 import torch
 
 from hybrid.core import TensorSpec, canonical_dtype
-from hybrid.torch._collectives import collective_failed as _collective_failed  # noqa: F401 - used by _zero
-from hybrid.torch._collectives import wait_all as _wait  # noqa: F401 - used by _zero2, _zero_hooks
 
 
 def _spec(index: int, param: torch.Tensor, *, with_device: bool = True) -> TensorSpec:
