@@ -168,14 +168,20 @@ def _unfinished_reduction_texts(rank):
     return texts
 
 
+def _one_good_iteration(rank, world, port, timeout_s):
+    """A DDP over an MLP that has run one synchronized iteration on every rank; its input."""
+    _init(rank, world, port, timeout_s=timeout_s)
+    ddp = HybridDDP(MLP())
+    x, _ = _data(rank, 0, "mlp")
+    ddp(x).sum().backward()
+    dist.barrier()
+    return ddp, x
+
+
 def dead_peer_worker(rank, world, port, outdir):
     # A long process-group timeout: the survivor must raise because gloo sees the closed
     # connection, not because a short timeout ran out.
-    _init(rank, world, port, timeout_s=60)
-    ddp = HybridDDP(MLP())
-    x, y = _data(rank, 0, "mlp")
-    ddp(x).sum().backward()
-    dist.barrier()
+    ddp, x = _one_good_iteration(rank, world, port, timeout_s=60)
     if rank == 1:
         os._exit(0)  # a peer dies between iterations
     start = time.monotonic()
@@ -188,11 +194,7 @@ def dead_peer_worker(rank, world, port, outdir):
 def stalled_peer_worker(rank, world, port, outdir):
     # The peer is alive but stops taking part: the survivor's wait ends at the process group's
     # timeout (2 s here), the one the user set.
-    _init(rank, world, port, timeout_s=2)
-    ddp = HybridDDP(MLP())
-    x, _ = _data(rank, 0, "mlp")
-    ddp(x).sum().backward()
-    dist.barrier()
+    ddp, x = _one_good_iteration(rank, world, port, timeout_s=2)
     if rank == 1:
         time.sleep(6)
         os._exit(0)
