@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import shutil
+import stat
 import warnings
 
 import numpy as np
@@ -170,9 +171,15 @@ class Checkpoint:
         todo = sorted(set(range(self.manifest.world_size) if ranks is None else ranks) - self._verified)
         for rank in todo:
             file = self.path / entries[rank].name
-            if not file.exists():
-                raise CheckpointError(f"{file}: shard file of rank {rank} is missing")
-            size = file.stat().st_size
+            try:
+                info = file.lstat()
+            except FileNotFoundError:
+                raise CheckpointError(f"{file}: shard file of rank {rank} is missing") from None
+            if not stat.S_ISREG(info.st_mode):
+                # A link inside a downloaded checkpoint could point anywhere on this machine.
+                raise CheckpointError(f"{file}: shard file of rank {rank} is not a regular file (a symbolic "
+                                      f"link or a special file): refusing to read through it")
+            size = info.st_size
             if size != entries[rank].nbytes:
                 raise CheckpointError(f"{file}: {size} bytes, the manifest says {entries[rank].nbytes}: the file is "
                                       f"truncated or was replaced")

@@ -119,4 +119,11 @@ class Manifest:
         if ranks != list(range(manifest.world_size)):
             raise CheckpointError(f"{where}: lists files for ranks {ranks}, expected one per rank "
                                   f"0..{manifest.world_size - 1}")
+        for f in manifest.files:
+            # The loader opens exactly these names inside the checkpoint directory: a name such as
+            # '../x' or '/etc/passwd' in a downloaded checkpoint must never make it open other files.
+            if f.name != shard_file_name(f.rank, manifest.world_size):
+                raise CheckpointError(f"{where}: the file of rank {f.rank} is named {f.name!r}; a checkpoint's "
+                                      f"files are named {shard_file_name(f.rank, manifest.world_size)!r} and "
+                                      f"live in its directory: refusing to open anything else")
         return manifest

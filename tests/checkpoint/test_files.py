@@ -197,3 +197,37 @@ def test_rank_files_hold_the_flat_slices(tmp_path, world_size):
             assert ckpt.read(r, f"params/{b}", 0, hi - lo).shape == (hi - lo,)
     got = ckpt.tensors("params")
     assert list(got) == ["a", "b"] and all(np.array_equal(got[k], v) for k, v in params.items())
+
+
+@pytest.mark.parametrize("name", ["../elsewhere.safetensors", "{outside}", "sub/rank-00001-of-00003.safetensors",
+                                  "rank-00002-of-00003.safetensors"])
+def test_manifest_file_names_outside_the_directory_are_refused(saved, name):
+    """A downloaded checkpoint must never make the loader open other files: the shard is copied to
+    where the edited name points (so the old loader read it there and loaded), and must be refused."""
+    path, _, _ = saved
+    outside = path.parent / "elsewhere.safetensors"
+    outside.write_bytes((path / "rank-00001-of-00003.safetensors").read_bytes())
+    (path / "sub").mkdir()
+    (path / "sub" / "rank-00001-of-00003.safetensors").write_bytes(outside.read_bytes())
+    name = name.format(outside=str(outside))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][1]["name"] = name
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    model, opt = _model(seed=1), None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"manifest\.json: the file of rank 1 is named .*refusing to open"):
+        ckpt_torch.load(path, model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_shard_that_is_a_symlink_is_refused(saved):
+    """A link inside the checkpoint directory may point anywhere: a shard must be a regular file."""
+    path, _, _ = saved
+    shard = path / "rank-00001-of-00003.safetensors"
+    outside = path.parent / "elsewhere.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"rank-00001-of-00003\.safetensors: shard file of rank 1 is not a "
+                                              r"regular file"):
+        _load_into_fresh(path)
