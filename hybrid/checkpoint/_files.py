@@ -21,7 +21,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from hybrid.core import FlatShardPlan, ReshardPlan, reshard, shard_flat, unpack
-from hybrid.checkpoint._manifest import MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
+from hybrid.checkpoint._manifest import BODY_DIGEST_KEY, MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
 
 # numpy has no bfloat16: such tensors are stored as their raw 16 bits, the manifest keeps the name.
 _STORED_AS = {"bfloat16": np.uint16}
@@ -66,10 +66,10 @@ def _write_atomically(target: pathlib.Path, chunks) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _safetensors_chunks(tensors: dict[str, list[np.ndarray]]):
+def _safetensors_chunks(tensors: dict[str, list[np.ndarray]], metadata: dict[str, str] | None = None):
     """The safetensors format (an 8-byte header length, a JSON header, the raw data), streamed from
     1-D pieces: each tensor is the concatenation of its pieces, which are never joined in memory."""
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": dict(metadata)} if metadata else {}), 0
     for key, pieces in tensors.items():
         dtype = pieces[0].dtype
         assert all(p.dtype == dtype and p.ndim == 1 for p in pieces), key
@@ -95,14 +95,18 @@ def begin_save(path: str | os.PathLike) -> pathlib.Path:
     return staging
 
 
-def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, list[np.ndarray]]) -> FileEntry:
+def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, list[np.ndarray]], *,
+                body_digest: str) -> FileEntry:
     """Write rank ``rank``'s file into the staging directory of ``path``; returns its entry.
 
     ``tensors[key]`` is a list of 1-D pieces whose concatenation is the saved tensor (a slice of
-    a flat bucket, cut from the parameters without packing them first).
+    a flat bucket, cut from the parameters without packing them first). ``body_digest`` is the
+    :meth:`Manifest.body_digest` of the manifest that will list the file: recorded in its header,
+    it binds the manifest's fields to the file's checksum.
     """
     name = shard_file_name(rank, world_size)
-    size, sha = _write_atomically(_staging(pathlib.Path(path)) / name, _safetensors_chunks(tensors))
+    chunks = _safetensors_chunks(tensors, {BODY_DIGEST_KEY: body_digest})
+    size, sha = _write_atomically(_staging(pathlib.Path(path)) / name, chunks)
     return FileEntry(name, rank, size, sha)
 
 
@@ -161,6 +165,7 @@ class Checkpoint:
         self.manifest = Manifest.loads(manifest_file.read_text(), where=str(manifest_file))
         self._handles: dict[int, object] = {}
         self._verified: set[int] = set()
+        self._warned_unbound = False
 
     def file(self, rank: int) -> pathlib.Path:
         return self.path / self.manifest.files[rank].name
@@ -197,7 +202,24 @@ class Checkpoint:
             missing = sorted(set(self.manifest.dtypes) - keys)
             if missing:
                 raise CheckpointError(f"{file}: lacks tensors {missing} that the manifest lists")
+            self._check_binding(rank, file)
             self._verified.add(rank)
+
+    def _check_binding(self, rank: int, file: pathlib.Path) -> None:
+        """The manifest's fields are those the file was written for (its header holds their digest)."""
+        recorded = (self._open(rank).metadata() or {}).get(BODY_DIGEST_KEY)
+        if recorded is None and self.manifest.format_version == 1:
+            if not self._warned_unbound:
+                warnings.warn(f"{self.path}: a format-1 checkpoint; its manifest's fields (step, optimizer "
+                              f"count, hyperparameters, metadata) are not covered by the files' checksums",
+                              stacklevel=4)
+                self._warned_unbound = True
+            return
+        if recorded != self.manifest.body_digest():
+            raise CheckpointError(f"{self.path / MANIFEST} was edited after the save: its fields (step, optimizer "
+                                  f"count, hyperparameters, metadata, plan, dtypes...) differ from those {file.name} "
+                                  f"was written for (manifest body SHA-256 {self.manifest.body_digest()[:12]}..., "
+                                  f"the file records {str(recorded)[:12]}...)")
 
     def _open(self, rank: int):
         if rank not in self._handles:

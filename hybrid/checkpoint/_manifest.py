@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
 
 FORMAT = "hybrid-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 had no manifest binding (below); it is still read, with a warning.
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+# The key, in each shard file's safetensors metadata, of the digest of the manifest's body.
+BODY_DIGEST_KEY = "hybrid.manifest_body_sha256"
 
 
 class CheckpointError(ValueError):
@@ -75,6 +80,8 @@ class Manifest:
     dtypes: dict[str, str]
     files: tuple[FileEntry, ...]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The version it was read as (a new manifest is written as FORMAT_VERSION); not part of the body.
+    format_version: int = dataclasses.field(default=FORMAT_VERSION, compare=False)
 
     @property
     def shards(self) -> FlatShardPlan:
@@ -91,6 +98,23 @@ class Manifest:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
 
+    def body_digest(self) -> str:
+        """SHA-256 of everything in the manifest but its file list, in canonical JSON.
+
+        Every shard file records it, so the files' checksums (which the manifest holds) also
+        vouch for the manifest's other fields: an edited ``step``, ``optimizer.count``,
+        hyperparameter or metadata no longer matches what the files say. The file list is left
+        out because it is only known once the files are written; its names are checked against
+        the plan and its sizes and checksums against the files themselves.
+
+        >>> from hybrid.core import TensorSpec, plan_buckets
+        >>> m = Manifest("numpy", 1, None, 3, plan_buckets([TensorSpec("w", (2,), "float32")]), None, {}, ())
+        >>> m.body_digest() == dataclasses.replace(m, step=4).body_digest()
+        False
+        """
+        body = {k: v for k, v in self.to_json().items() if k != "files"}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
     @classmethod
     def loads(cls, text: str, *, where: str) -> "Manifest":
         """Parse and check a manifest; ``where`` (its path) is named in every error."""
@@ -102,14 +126,15 @@ class Manifest:
         if fmt != FORMAT:
             raise CheckpointError(f"{where}: not a hybrid checkpoint manifest (format {fmt!r}, expected {FORMAT!r})")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CheckpointError(f"{where}: format version {version!r} is not supported by this hybrid "
-                                  f"(it reads version {FORMAT_VERSION}); save it again with a matching hybrid")
+                                  f"(it reads versions {list(READABLE_VERSIONS)}); save it again with a matching hybrid")
         try:
             plan = BucketPlan.from_json(d["plan"])
             manifest = cls(d["framework"], int(d["world_size"]), d["stage"], int(d["step"]), plan,
                            None if d["optimizer"] is None else OptimizerInfo.from_json(d["optimizer"]),
-                           dict(d["dtypes"]), tuple(FileEntry(**f) for f in d["files"]), dict(d.get("metadata", {})))
+                           dict(d["dtypes"]), tuple(FileEntry(**f) for f in d["files"]), dict(d.get("metadata", {})),
+                           int(version))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
         if plan.fingerprint() != d.get("plan_fingerprint"):

@@ -76,13 +76,16 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
         lengths = [len(f) for f in per_bucket]
         want = [shards.padded_length(b) for b in range(plan.num_buckets)]
         assert lengths == want, f"{kind}: flat lengths {lengths}, the plan pads to {want}"
+    body = Manifest(framework, world_size, stage, int(step), plan, optimizer, dtypes_of(plan, [*flats, *arrays]),
+                    (), dict(metadata or {}))
+    digest = body.body_digest()
     begin_save(path)
     with concurrent.futures.ThreadPoolExecutor(min(world_size, 8)) as pool:
         files = list(pool.map(lambda r: write_shard(path, r, world_size,
-                                                    rank_tensors(plan, world_size, r, flats=flats, arrays=arrays)),
+                                                    rank_tensors(plan, world_size, r, flats=flats, arrays=arrays),
+                                                    body_digest=digest),
                               range(world_size)))
-    manifest = Manifest(framework, world_size, stage, int(step), plan, optimizer, dtypes_of(plan, [*flats, *arrays]),
-                        tuple(files), dict(metadata or {}))
+    manifest = dataclasses.replace(body, files=tuple(files))
     commit_save(path, manifest)
     return manifest
 

@@ -7,6 +7,7 @@ writes the manifest last; loading reads the slices it needs at any saved world s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -142,13 +143,16 @@ def _save_distributed(path, params, slots, count, info, complete, plan, step, st
     if rank == 0:
         begin_save(path)
     _collective(path, "the barrier before writing", dist.barrier, group=group)
-    entry = write_shard(path, rank, world_size, rank_tensors(plan, world_size, rank, flats=all_flats, arrays=all_arrays))
+    # Every rank builds the same manifest body (the file list aside): its digest goes in each file.
+    body = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, [*all_arrays, *all_flats]),
+                    (), dict(metadata or {}))
+    entry = write_shard(path, rank, world_size, rank_tensors(plan, world_size, rank, flats=all_flats, arrays=all_arrays),
+                        body_digest=body.body_digest())
     entries: list = [None] * world_size
     _collective(path, "the all_gather_object of file checksums", dist.all_gather_object, entries, entry, group=group)
     manifest = None
     if rank == 0:
-        manifest = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, [*all_arrays, *all_flats]),
-                            tuple(entries), dict(metadata or {}))
+        manifest = dataclasses.replace(body, files=tuple(entries))
         commit_save(path, manifest)
     # Nobody returns (and perhaps loads) before the manifest is in place.
     _collective(path, "the barrier after the manifest", dist.barrier, group=group)

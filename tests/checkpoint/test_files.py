@@ -3,6 +3,7 @@
 Every bad checkpoint must raise CheckpointError naming the file, before anything is changed.
 """
 
+import hashlib
 import json
 import os
 import pathlib
@@ -10,6 +11,7 @@ import pathlib
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 import hybrid.checkpoint._write as write_module
 from hybrid.checkpoint import Checkpoint, CheckpointError, save_arrays
@@ -102,7 +104,7 @@ def _edit_manifest(path, edit):
 def test_unsupported_format_version(saved):
     path, _, _ = saved
     _edit_manifest(path, lambda d: d.update(format_version=99))
-    with pytest.raises(CheckpointError, match=r"manifest\.json: format version 99 is not supported .* reads version 1"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json: format version 99 is not supported .* reads versions \[1, 2\]"):
         Checkpoint(path)
 
 
@@ -149,12 +151,12 @@ def test_interrupted_save_leaves_the_previous_checkpoint(saved, monkeypatch):
     before = {f.name: f.read_bytes() for f in path.iterdir()}
     real = write_module.write_shard
 
-    def dies_on_rank_1(p, rank, world_size, tensors):
+    def dies_on_rank_1(p, rank, world_size, tensors, **kwargs):
         if rank == 1:
             staging = pathlib.Path(p).parent / f".{pathlib.Path(p).name}.saving"
             (staging / "rank-00001-of-00003.safetensors.part").write_bytes(b"half a fi")
             raise KeyboardInterrupt("killed mid-write")
-        return real(p, rank, world_size, tensors)
+        return real(p, rank, world_size, tensors, **kwargs)
 
     monkeypatch.setattr(write_module, "write_shard", dies_on_rank_1)
     newer, newer_opt = _trained(seed=5, steps=3)
@@ -213,7 +215,7 @@ def test_manifest_file_names_outside_the_directory_are_refused(saved, name):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"][1]["name"] = name
     (path / "manifest.json").write_text(json.dumps(manifest))
-    model, opt = _model(seed=1), None
+    model = _model(seed=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match=r"manifest\.json: the file of rank 1 is named .*refusing to open"):
         ckpt_torch.load(path, model)
@@ -231,3 +233,50 @@ def test_shard_that_is_a_symlink_is_refused(saved):
     with pytest.raises(CheckpointError, match=r"rank-00001-of-00003\.safetensors: shard file of rank 1 is not a "
                                               r"regular file"):
         _load_into_fresh(path)
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("step", lambda d: d.update(step=d["step"] + 1)),
+    ("optimizer.count", lambda d: d["optimizer"].update(count=d["optimizer"]["count"] + 10)),
+    ("hyperparameters", lambda d: d["optimizer"]["hyperparameters"]["param_groups"][0].update(lr=1.0)),
+    ("metadata", lambda d: d["metadata"].update(run="other")),
+    ("stage", lambda d: d.update(stage=2)),
+    ("framework", lambda d: d.update(framework="jax")),
+])
+def test_edited_manifest_field_is_caught(saved, field, edit):
+    """Fields outside the plan are bound to the files' checksums: an edit (Adam's bias correction
+    follows optimizer.count) is refused before anything changes."""
+    path, _, _ = saved
+    _edit_manifest(path, edit)
+    model = _model(seed=1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    before = _snapshot(model, opt)
+    with pytest.raises(CheckpointError, match=r"manifest\.json was edited after the save: .*differ from those "
+                                              r"rank-0000\d-of-00003\.safetensors was written for"):
+        ckpt_torch.load(path, model, opt)
+    _assert_untouched(model, opt, before)
+
+
+def test_downgrading_the_format_version_does_not_skip_the_binding(saved):
+    path, _, _ = saved
+    _edit_manifest(path, lambda d: d.update(format_version=1, step=d["step"] + 1))
+    with pytest.raises(CheckpointError, match="was edited after the save"):
+        _load_into_fresh(path)
+
+
+def test_format_1_checkpoint_still_loads_with_a_warning(saved):
+    """A checkpoint from before the binding (no digest in its files) loads, saying what it lacks."""
+    path, model, _ = saved
+    for shard in path.glob("rank-*.safetensors"):
+        # A version-1 file: the same tensors, no metadata in the header.
+        save_file(load_file(str(shard)), str(shard))
+    def v1(d):
+        d["format_version"] = 1
+        for f in d["files"]:
+            shard = path / f["name"]
+            f["nbytes"] = shard.stat().st_size
+            f["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    _edit_manifest(path, v1)
+    with pytest.warns(UserWarning, match="a format-1 checkpoint; its manifest's fields .* are not covered"):
+        other, _, step = _load_into_fresh(path)
+    assert step == 2 and torch.equal(other[0].weight, model[0].weight)
