@@ -1,9 +1,7 @@
-"""Shard files on disk: atomic writes, checksums, and a verified reader that reshards on load.
+"""Shard files on disk: the safetensors writer, checksums, and a verified reader that reshards on load.
 
-A checkpoint directory holds ``manifest.json`` and one safetensors file per rank. A save writes
-into a hidden staging directory beside the target (``.NAME.saving``) and only when every rank's
-file and the manifest are complete swaps it into place, so a save that dies midway leaves the
-previous checkpoint as it was.
+A checkpoint directory holds ``manifest.json`` and one safetensors file per rank, written into a
+staging directory and swapped into place by the protocol of ``_protocol.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import stat
 import warnings
 
@@ -21,6 +18,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from hybrid.core import FlatShardPlan, ReshardPlan, reshard, shard_flat, unpack
+from hybrid.checkpoint._protocol import find, staging, write_atomically
 from hybrid.checkpoint._manifest import BODY_DIGEST_KEY, MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
 
 # numpy has no bfloat16: such tensors are stored as their raw 16 bits, the manifest keeps the name.
@@ -32,38 +30,8 @@ def storage_dtype(dtype: str) -> np.dtype:
     return np.dtype(_STORED_AS.get(dtype, dtype))
 
 
-def _staging(path: pathlib.Path) -> pathlib.Path:
-    return path.parent / f".{path.name}.saving"
-
-
-def _previous(path: pathlib.Path) -> pathlib.Path:
-    return path.parent / f".{path.name}.previous"
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _SAFETENSORS_DTYPE = {"float64": "F64", "float32": "F32", "float16": "F16", "uint16": "U16", "int64": "I64",
                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
-def _write_atomically(target: pathlib.Path, chunks) -> tuple[int, str]:
-    """Write ``chunks`` (bytes-like) to ``target.part``, fsync, rename; returns (bytes, SHA-256)."""
-    part = target.with_name(target.name + ".part")
-    digest, size = hashlib.sha256(), 0
-    with open(part, "wb") as f:
-        for chunk in chunks:
-            digest.update(chunk)
-            size += f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, target)
-    return size, digest.hexdigest()
 
 
 def _safetensors_chunks(tensors: dict[str, list[np.ndarray]], metadata: dict[str, str] | None = None):
@@ -86,15 +54,6 @@ def _safetensors_chunks(tensors: dict[str, list[np.ndarray]], metadata: dict[str
                 yield memoryview(np.ascontiguousarray(p)).cast("B")
 
 
-def begin_save(path: str | os.PathLike) -> pathlib.Path:
-    """Clear what an earlier, interrupted save left and make the staging directory (one process)."""
-    path = pathlib.Path(path)
-    staging = _staging(path)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
-
-
 def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, list[np.ndarray]], *,
                 body_digest: str) -> FileEntry:
     """Write rank ``rank``'s file into the staging directory of ``path``; returns its entry.
@@ -106,24 +65,8 @@ def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: di
     """
     name = shard_file_name(rank, world_size)
     chunks = _safetensors_chunks(tensors, {BODY_DIGEST_KEY: body_digest})
-    size, sha = _write_atomically(_staging(pathlib.Path(path)) / name, chunks)
+    size, sha = write_atomically(staging(path) / name, chunks)
     return FileEntry(name, rank, size, sha)
-
-
-def commit_save(path: str | os.PathLike, manifest: Manifest) -> None:
-    """Write the manifest last, then swap the staging directory into ``path`` (one process)."""
-    path = pathlib.Path(path)
-    staging, previous = _staging(path), _previous(path)
-    _write_atomically(staging / MANIFEST, [manifest.dumps().encode()])
-    _fsync_dir(staging)
-    shutil.rmtree(previous, ignore_errors=True)
-    if path.exists():
-        # Two renames, not one: a directory cannot replace a non-empty one. In between, a reader
-        # finds the previous checkpoint under .NAME.previous (see Checkpoint).
-        os.replace(path, previous)
-    os.replace(staging, path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(previous, ignore_errors=True)
 
 
 def _sha256_of(file: pathlib.Path) -> str:
@@ -151,11 +94,7 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike):
-        path = pathlib.Path(path)
-        if not (path / MANIFEST).exists() and (_previous(path) / MANIFEST).exists():
-            warnings.warn(f"{path}: a save was interrupted while swapping directories; reading the "
-                          f"previous checkpoint from {_previous(path)}", stacklevel=2)
-            path = _previous(path)
+        path = find(path)
         if not path.is_dir():
             raise CheckpointError(f"{path}: no checkpoint directory there")
         manifest_file = path / MANIFEST

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat
-from hybrid.checkpoint._files import begin_save, commit_save, storage_dtype, write_shard
+from hybrid.checkpoint._files import storage_dtype, write_shard
+from hybrid.checkpoint._protocol import begin_save, commit_save
 from hybrid.checkpoint._manifest import Manifest, OptimizerInfo
 
 

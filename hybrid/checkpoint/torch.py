@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.core import pack, plan_buckets, shard_flat
-from hybrid.checkpoint._files import Checkpoint, begin_save, commit_save, write_shard
+from hybrid.checkpoint._files import Checkpoint, write_shard
+from hybrid.checkpoint._protocol import begin_save, commit_save
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
 from hybrid.checkpoint._write import _stored_plan, dtypes_of, rank_tensors, save_arrays
 from hybrid.checkpoint._torch_state import (

@@ -20,7 +20,7 @@ def _worker(rank, port, path, out):
     import torch
     import torch.distributed as dist
 
-    import hybrid.checkpoint._files as files
+    import hybrid.checkpoint._protocol as protocol
     from hybrid.checkpoint import torch as ckpt_torch
     from hybrid.demo import TrainConfig, build_torch, train_torch_steps
 
@@ -33,17 +33,12 @@ def _worker(rank, port, path, out):
     ckpt_torch.save(path, ddp, opt, step=2)
     train_torch_steps(ddp, opt, config, 2, 4)
     if rank == 1:
-        real = files._write_atomically
+        class HalfThenDie(protocol.FileSystem):
+            def before(self, op, path):
+                if op == "write" and path.name.startswith("rank-"):
+                    os._exit(17)  # killed mid-write (the first chunk is on disk): no exception, no cleanup
 
-        def half_then_die(target, chunks):
-            data = b"".join(bytes(c) for c in chunks)
-            with open(target.with_name(target.name + ".part"), "wb") as f:
-                f.write(data[: len(data) // 2])
-                f.flush()
-            os._exit(17)  # killed mid-write: no exception, no cleanup
-
-        files._write_atomically = half_then_die
-        del real
+        protocol.fs = HalfThenDie()
     t0 = time.monotonic()
     try:
         ckpt_torch.save(path, ddp, opt, step=4)

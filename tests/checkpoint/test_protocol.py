@@ -1,0 +1,170 @@
+"""The save protocol under crash injection, as file-system people test theirs.
+
+A save is stopped right before each of its file-system operations in turn (and, across two
+consecutive saves, before each pair of operations), as if the process were killed there: nothing
+after the crash runs. Then the newest *committed* checkpoint (the last save whose staging
+directory was renamed to PATH, its commit point) must load, verified, with its own values; and a
+further save must succeed and leave no hidden leftovers. Run for PATH as a plain directory and as
+a symbolic link (``latest -> step-dir``), which must stay a link.
+"""
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import hybrid.checkpoint._protocol as protocol
+import hybrid.checkpoint._write as write_module
+from hybrid.checkpoint import Checkpoint, save_arrays
+
+
+class Crash(BaseException):
+    """The process stops here: not an Exception, so no handler in the code under test runs."""
+
+
+class CrashingFileSystem(protocol.FileSystem):
+    """Counts operations, crashes before operation number ``crash_at``, notes each commit."""
+
+    def __init__(self):
+        self.ops, self.crash_at, self.step, self.committed = 0, None, None, None
+
+    def before(self, op, path):
+        if self.ops == self.crash_at or (op, path.name) == self.crash_at:
+            raise Crash(f"crash before {op} {path}")
+        self.ops += 1
+        if op == "rename" and path.name.endswith(".saving"):
+            self.committed = self.step  # the rename below cannot fail: this save is now PATH
+
+
+class _Serial:
+    """A ThreadPoolExecutor stand-in that runs rank files one after the other, so that operation
+    number k is the same operation in every run."""
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def map(self, fn, items):
+        return [fn(i) for i in items]
+
+
+def _params(step):
+    return {"w": np.full((3, 4), step, np.float32), "b": np.arange(5, dtype=np.float32) + step}
+
+
+@pytest.fixture
+def crashing(monkeypatch):
+    fs = CrashingFileSystem()
+    monkeypatch.setattr(protocol, "fs", fs)
+    monkeypatch.setattr(write_module.concurrent.futures, "ThreadPoolExecutor", _Serial)
+    return fs
+
+
+def _save(fs, path, step, crash_at=None):
+    """Save ``step``; returns how many operations ran (the save's count when it did not crash)."""
+    fs.ops, fs.crash_at, fs.step = 0, crash_at, step
+    try:
+        save_arrays(path, _params(step), world_size=2, step=step)
+    except Crash:
+        pass
+    return fs.ops
+
+
+def _fresh(tmp_path, name, linked):
+    """An initial committed checkpoint at step 0, at ``tmp_path/name/ckpt`` or behind a link to it."""
+    root = tmp_path / name
+    root.mkdir()
+    path = root / "latest" if linked else root / "ckpt"
+    if linked:
+        (root / "step-dir").mkdir()
+        path.symlink_to(root / "step-dir")
+    return root, path
+
+
+def _check(fs, root, path, linked, scenario):
+    expected = fs.committed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an interrupted swap reads .previous, saying so
+        ckpt = Checkpoint(path)
+    assert ckpt.manifest.step == expected, scenario
+    ckpt.verify()
+    for name, value in ckpt.tensors("params").items():
+        np.testing.assert_array_equal(value, _params(expected)[name], err_msg=str(scenario))
+    _save(fs, path, 99)
+    assert Checkpoint(path).manifest.step == 99, scenario
+    assert sorted(p.name for p in root.iterdir()) == (["latest", "step-dir"] if linked else ["ckpt"]), scenario
+    assert path.is_symlink() == linked, scenario
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["directory", "symlink"])
+def test_a_crash_before_any_operation_of_one_or_two_saves_keeps_the_newest_committed_checkpoint(
+        tmp_path, crashing, linked):
+    fs = crashing
+    root, path = _fresh(tmp_path, "count", linked)
+    _save(fs, path, 0)
+    num_ops = _save(fs, path, 1)  # a save over an existing checkpoint
+    scenarios = 0
+    for k1 in range(num_ops + 1):  # k1 == num_ops: the first save completes
+        root, path = _fresh(tmp_path, f"single-{k1}", linked)
+        _save(fs, path, 0)
+        _save(fs, path, 1, crash_at=k1 if k1 < num_ops else None)
+        _check(fs, root, path, linked, (k1,))
+        scenarios += 1
+        # What the second save meets depends on where the first stopped: count its operations.
+        _, probe = _fresh(tmp_path, f"probe-{k1}", linked)
+        _save(fs, probe, 0)
+        _save(fs, probe, 1, crash_at=k1 if k1 < num_ops else None)
+        num_ops_2 = _save(fs, probe, 2)
+        for k2 in range(num_ops_2):
+            root, path = _fresh(tmp_path, f"pair-{k1}-{k2}", linked)
+            _save(fs, path, 0)
+            _save(fs, path, 1, crash_at=k1 if k1 < num_ops else None)
+            _save(fs, path, 2, crash_at=k2)
+            _check(fs, root, path, linked, (k1, k2))
+            scenarios += 1
+    # The figure the docs quote: operations per save, and the scenarios run.
+    print(f"{num_ops} operations per save, {scenarios} crash scenarios ({'symlink' if linked else 'directory'})")
+    assert num_ops >= 15 and scenarios > num_ops ** 2
+
+
+def test_two_crashes_in_a_row_keep_a_checkpoint(tmp_path, crashing):
+    """The sequence that lost everything before: the first save stops between the two renames of
+    its swap, the second right before its own swap (after it cleared what it found)."""
+    fs = crashing
+    path = tmp_path / "ckpt"
+    _save(fs, path, 0)
+    _save(fs, path, 1)
+    commit = ("rename", ".ckpt.saving")
+    _save(fs, path, 2, crash_at=commit)
+    assert not path.exists() and (tmp_path / ".ckpt.previous").exists()
+    with pytest.warns(UserWarning, match="interrupted while swapping"):
+        assert Checkpoint(path).manifest.step == 1
+    _save(fs, path, 3, crash_at=commit)  # the old protocol had cleared .previous by now: all lost
+    with pytest.warns(UserWarning, match="interrupted while swapping"):
+        assert Checkpoint(path).manifest.step == 1
+
+
+def test_saving_through_a_link_writes_where_it_points(tmp_path):
+    """``latest -> step-01000``: every save writes step-01000 (atomically), the link stays a link."""
+    (tmp_path / "step-01000").mkdir()
+    link = tmp_path / "latest"
+    link.symlink_to("step-01000")
+    for step in range(3):
+        save_arrays(link, _params(step), world_size=2, step=step)
+        assert link.is_symlink() and os.readlink(link) == "step-01000"
+        assert Checkpoint(link).manifest.step == step
+        assert Checkpoint(tmp_path / "step-01000").manifest.step == step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-01000"]
+    # A link to a link, and a dangling link (its target is created).
+    (tmp_path / "newest").symlink_to("latest")
+    save_arrays(tmp_path / "newest", _params(7), step=7)
+    assert Checkpoint(tmp_path / "step-01000").manifest.step == 7
+    (tmp_path / "next").symlink_to("step-02000")
+    save_arrays(tmp_path / "next", _params(8), step=8)
+    assert (tmp_path / "next").is_symlink() and Checkpoint(tmp_path / "step-02000").manifest.step == 8
