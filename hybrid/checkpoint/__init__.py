@@ -8,8 +8,9 @@ each optimizer slot. Loading at another world size, bucket layout or framework r
 ``hybrid.checkpoint.jax`` (imported explicitly, like the frontends). See docs/checkpoints.md.
 """
 
-from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._files import Checkpoint, read_state
 from hybrid.checkpoint._manifest import FORMAT_VERSION, CheckpointError, FileEntry, Manifest, OptimizerInfo
 from hybrid.checkpoint._write import save_arrays
 
-__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "FileEntry", "Manifest", "OptimizerInfo", "save_arrays"]
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "FileEntry", "Manifest", "OptimizerInfo", "read_state",
+           "save_arrays"]

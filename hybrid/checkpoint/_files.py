@@ -193,6 +193,35 @@ class Checkpoint:
         specs = self.manifest.plan.specs
         return {specs[i].name: np.array(per_index[i]) for i in range(len(specs))}
 
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The replicated buffers by name, whole (stored dtypes), from rank 0's file."""
+        if not self.manifest.buffers:
+            return {}
+        self.verify([0])
+        out = {}
+        for name, entry in self.manifest.buffers.items():
+            n = int(np.prod(entry["shape"], dtype=np.int64))
+            out[name] = self.read(0, f"buffers/{name}", 0, n).reshape(entry["shape"])
+        return out
+
+    def run_state(self) -> dict:
+        """What the run saved beside the tensors (``"scheduler"``, ``"state"``), once the manifest
+        is known to be the one the files were written for."""
+        self.verify([0])
+        return dict(self.manifest.run_state)
+
+    def check_buffers(self, shapes: dict[str, tuple], *, what: str) -> None:
+        """Raise CheckpointError unless ``shapes`` (name -> shape) are the checkpoint's buffers."""
+        saved = {n: tuple(e["shape"]) for n, e in self.manifest.buffers.items()}
+        missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+        if missing or extra:
+            raise CheckpointError(f"{self.path}: buffers differ: {what} has {missing} which the checkpoint lacks, "
+                                  f"the checkpoint has {extra} which {what} lacks")
+        for name, shape in shapes.items():
+            if tuple(shape) != saved[name]:
+                raise CheckpointError(f"{self.path}: buffer {name!r} is {list(saved[name])} in the checkpoint and "
+                                      f"{list(shape)} in {what}")
+
     def check_model(self, specs, *, what: str) -> None:
         """Raise CheckpointError unless ``specs`` hold the checkpoint's tensors (names, shapes, dtypes)."""
         saved = {s.name: s for s in self.manifest.plan.specs}
@@ -206,3 +235,17 @@ class Checkpoint:
             if (s.shape, s.dtype) != (t.shape, t.dtype):
                 raise CheckpointError(f"{self.path}: tensor {name!r} is {t.dtype}{list(t.shape)} in the "
                                       f"checkpoint and {s.dtype}{list(s.shape)} in {what}")
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """The run state a checkpoint was saved with (``save(..., state=...)`` in either frontend):
+    the user's JSON, verified like the rest of the checkpoint; ``{}`` if none was saved.
+
+    >>> import numpy as np, tempfile, os
+    >>> from hybrid.checkpoint import save_arrays
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = save_arrays(d, {"w": np.zeros(2, np.float32)}, run_state={"state": {"epoch": 3, "seed": 7}})
+    >>> read_state(d)
+    {'epoch': 3, 'seed': 7}
+    """
+    return dict(Checkpoint(path).run_state().get("state", {}))

@@ -40,14 +40,40 @@ class OptimizerInfo:
     slots: tuple[str, ...]
     count: int
     hyperparameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What torch holds per parameter, where it is not "every slot, ``count`` steps": parameters
+    # with no state yet (never stepped; their slots are zeros on disk and are not restored), step
+    # counts per parameter name when they differ, and the parameters a slot covers when it covers
+    # only some (AMSGrad's ``max_nu`` in AMSGrad groups only).
+    without_state: tuple[str, ...] = ()
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    slot_params: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def has_state(self, name: str) -> bool:
+        return name not in self.without_state
+
+    def holds(self, slot: str, name: str) -> bool:
+        """Whether parameter ``name`` has slot ``slot`` (torch: the state key exists)."""
+        return self.has_state(name) and (slot not in self.slot_params or name in self.slot_params[slot])
+
+    def count_of(self, name: str) -> int:
+        return self.counts.get(name, self.count)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "slots": list(self.slots), "count": self.count,
-                "hyperparameters": self.hyperparameters}
+        d = {"name": self.name, "slots": list(self.slots), "count": self.count,
+             "hyperparameters": self.hyperparameters}
+        if self.without_state:
+            d["without_state"] = list(self.without_state)
+        if self.counts:
+            d["counts"] = dict(self.counts)
+        if self.slot_params:
+            d["slot_params"] = {k: list(v) for k, v in self.slot_params.items()}
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "OptimizerInfo":
-        return cls(d["name"], tuple(d["slots"]), int(d["count"]), dict(d.get("hyperparameters", {})))
+        return cls(d["name"], tuple(d["slots"]), int(d["count"]), dict(d.get("hyperparameters", {})),
+                   tuple(d.get("without_state", ())), {k: int(v) for k, v in d.get("counts", {}).items()},
+                   {k: tuple(v) for k, v in d.get("slot_params", {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +106,11 @@ class Manifest:
     dtypes: dict[str, str]
     files: tuple[FileEntry, ...]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Replicated module buffers (BatchNorm statistics ...), saved once in rank 0's file as
+    # ``buffers/NAME`` (flat): name -> {"shape": [...], "dtype": "float32"}.
+    buffers: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # The rest of a run: {"scheduler": an LR scheduler's state_dict(), "state": the user's JSON}.
+    run_state: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The version it was read as (a new manifest is written as FORMAT_VERSION); not part of the body.
     format_version: int = dataclasses.field(default=FORMAT_VERSION, compare=False)
 
@@ -93,7 +124,8 @@ class Manifest:
                 "plan": self.plan.to_json(), "plan_fingerprint": self.plan.fingerprint(),
                 "shard_fingerprint": self.shards.fingerprint(),
                 "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
-                "dtypes": self.dtypes, "files": [f.to_json() for f in self.files], "metadata": self.metadata}
+                "dtypes": self.dtypes, "files": [f.to_json() for f in self.files], "metadata": self.metadata,
+                "buffers": self.buffers, "run_state": self.run_state}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
@@ -134,7 +166,7 @@ class Manifest:
             manifest = cls(d["framework"], int(d["world_size"]), d["stage"], int(d["step"]), plan,
                            None if d["optimizer"] is None else OptimizerInfo.from_json(d["optimizer"]),
                            dict(d["dtypes"]), tuple(FileEntry(**f) for f in d["files"]), dict(d.get("metadata", {})),
-                           int(version))
+                           dict(d.get("buffers", {})), dict(d.get("run_state", {})), format_version=int(version))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
         if plan.fingerprint() != d.get("plan_fingerprint"):

@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from hybrid.core import TensorSpec, canonical_dtype
-from hybrid.checkpoint._manifest import CheckpointError
+from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 
 
 # torch's state keys -> the checkpoint's framework-neutral slot names (optax's field names).
-SLOT_OF_TORCH_KEY = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
+# AMSGrad's max_exp_avg_sq is "max_nu": the running maximum of the raw second moment, torch's
+# meaning (optax's amsgrad keeps the maximum of the bias-corrected one: another algorithm).
+SLOT_OF_TORCH_KEY = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace", "max_exp_avg_sq": "max_nu"}
 TORCH_KEY_OF_SLOT = {v: k for k, v in SLOT_OF_TORCH_KEY.items()}
 _NAME_OF_CLASS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd"}
 
@@ -96,31 +98,46 @@ def _local_states(optimizer) -> tuple[dict[int, dict[str, Any]], bool]:
     return {id(p): st for p, st in optimizer.state.items()}, True
 
 
-def expected_slots(optimizer) -> tuple[str, ...]:
-    """The slots ``optimizer`` keeps once it has stepped (known before it has)."""
+def expected_slots(optimizer, groups=None) -> tuple[str, ...]:
+    """The slots ``optimizer`` keeps once it has stepped (known before it has), for its own
+    param groups or for ``groups`` (hyperparameter dicts about to replace them)."""
     inner = _inner(optimizer)
     name = type(inner).__name__
-    group = inner.param_groups[0] if inner.param_groups else inner.defaults
+    groups = groups if groups is not None else (inner.param_groups or [inner.defaults])
     if name in ("Adam", "AdamW"):
-        if group.get("amsgrad"):
-            raise CheckpointError(f"{name}(amsgrad=True) keeps max_exp_avg_sq, which checkpoints do not hold yet")
-        return ("mu", "nu")
+        return ("mu", "nu", "max_nu") if any(g.get("amsgrad") for g in groups) else ("mu", "nu")
     if name == "SGD":
-        return ("trace",) if group.get("momentum", 0) else ()
+        return ("trace",) if any(g.get("momentum", 0) for g in groups) else ()
     raise CheckpointError(f"checkpoints hold Adam, AdamW and SGD state; {name} is not supported yet")
 
 
-def _hyperparameters(optimizer) -> dict[str, Any]:
+def param_names_by_group(optimizer, name_of: dict[int, str]) -> list[list[str]]:
+    """The names of each param group's parameters, in torch's state-dict order."""
+    order, out, start = _params_in_state_order(optimizer), [], 0
+    for size in _group_sizes(optimizer):
+        out.append([name_of[id(p)] for p in order[start:start + size]])
+        start += size
+    return out
+
+
+def _hyperparameters(optimizer, name_of: dict[int, str]) -> dict[str, Any]:
+    """Every param group's hyperparameters (what torch's ``load_state_dict`` restores) and the
+    names of its parameters, so a load can match groups by name."""
     def jsonable(v):
         return isinstance(v, (int, float, bool, str)) or v is None or (
             isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v))
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and jsonable(v)}
-              for g in optimizer.param_groups]
+    names = param_names_by_group(optimizer, name_of)
+    groups = []
+    for group, group_names in zip(optimizer.param_groups, names):
+        kept = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params" and jsonable(v)}
+        # A value JSON cannot hold (a tensor lr): the receiving optimizer's stays; say which.
+        not_saved = sorted(k for k, v in group.items() if k != "params" and not jsonable(v))
+        groups.append({**kept, **({"not_saved": not_saved} if not_saved else {}), "param_names": group_names})
     return {"param_groups": groups}
 
 
-def _slots_and_count(named, states: dict[int, dict[str, Any]]) -> tuple[dict[str, dict[str, np.ndarray]], int | None]:
-    """This rank's slot arrays by name and the step count its states agree on (None: no state)."""
+def _slots_and_count(named, states: dict[int, dict[str, Any]]) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, int]]:
+    """This rank's slot arrays by name, and the step count of every parameter that has one."""
     slots: dict[str, dict[str, np.ndarray]] = {}
     counts: dict[str, int] = {}
     for name, p in named:
@@ -132,19 +149,47 @@ def _slots_and_count(named, states: dict[int, dict[str, Any]]) -> tuple[dict[str
                 counts[name] = int(value.item() if torch.is_tensor(value) else value)
             elif torch.is_tensor(value) and value.shape == p.shape:
                 slots.setdefault(SLOT_OF_TORCH_KEY.get(key, key), {})[name] = _numpy(value)
-    if len(set(counts.values())) > 1:
-        raise CheckpointError(f"parameters have taken different numbers of optimizer steps {counts}; a "
-                              f"checkpoint holds one count (optax's), so all must have stepped alike")
-    return slots, (next(iter(counts.values())) if counts else None)
+    return slots, counts
+
+
+def optimizer_info(name: str, expected: tuple[str, ...], hyperparameters: dict, names: list[str],
+                   counts: dict[str, int], holders: dict[str, set[str]], *, sgd_count: int) -> OptimizerInfo:
+    """The manifest's account of torch's per-parameter state: which parameters have state, their
+    step counts, which slots each holds (``holders[slot]``: the names that hold it)."""
+    unknown = sorted(set(holders) - set(expected))
+    if unknown:
+        raise CheckpointError(f"the optimizer holds state {unknown} beyond its known slots {list(expected)}")
+    with_state = set(counts).union(*holders.values()) if holders else set(counts)
+    if not counts and with_state:
+        # SGD counts no steps (nor does optax's trace); its buffers exist once it has stepped.
+        counts = {n: int(sgd_count) for n in with_state}
+    distinct = set(counts.values())
+    count = max(distinct) if distinct else 0
+    slot_params = {s: tuple(n for n in names if n in holders.get(s, ())) for s in expected
+                   if set(holders.get(s, ())) != with_state}
+    return OptimizerInfo(name, expected, count, hyperparameters,
+                         without_state=tuple(n for n in names if n not in with_state),
+                         counts={n: counts[n] for n in names if n in counts} if len(distinct) > 1 else {},
+                         slot_params=slot_params)
+
+
+def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's persistent buffers (what ``state_dict()`` holds besides parameters), named as
+    in the bare model: BatchNorm's running statistics and ``num_batches_tracked``, ..."""
+    out, seen = [], set()
+    for prefix, mod in _unwrap(module).named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
 
 
 def _fill_slots(params: dict[str, np.ndarray], slots, info) -> dict[str, dict[str, np.ndarray]]:
     """Every expected slot for every parameter (``params``: name -> stored array): zeros where no
-    state exists yet (a fresh optimizer)."""
+    state exists (the manifest says which, and a load restores none there)."""
     if info is None:
         return {}
-    unknown = sorted(set(slots) - set(info.slots))
-    if unknown:
-        raise CheckpointError(f"the optimizer holds state {unknown} beyond its known slots {list(info.slots)}")
     return {s: {n: slots.get(s, {}).get(n, np.zeros_like(p)) for n, p in params.items()}
             for s in info.slots}

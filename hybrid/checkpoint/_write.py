@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 from collections.abc import Mapping, Sequence
 
@@ -60,6 +61,17 @@ def rank_tensors(plan: BucketPlan, world_size: int, rank: int, *, flats: Mapping
     return out
 
 
+def buffer_entries(buffers: Mapping[str, np.ndarray]) -> tuple[dict[str, dict], dict[str, list[np.ndarray]]]:
+    """The manifest's ``buffers`` field and rank 0's extra file contents for replicated buffers
+    (``{name: array}`` in stored dtypes, bfloat16 as its bits with the logical dtype named)."""
+    meta, tensors = {}, {}
+    for name, array in buffers.items():
+        array = np.asarray(array)
+        meta[name] = {"shape": list(array.shape), "dtype": canonical_dtype(array.dtype)}
+        tensors[f"buffers/{name}"] = [to_storage(array).reshape(-1)]
+    return meta, tensors
+
+
 def dtypes_of(plan: BucketPlan, kinds) -> dict[str, str]:
     return {f"{kind}/{b}": bucket.dtype for kind in kinds for b, bucket in enumerate(plan.buckets)}
 
@@ -67,24 +79,30 @@ def dtypes_of(plan: BucketPlan, kinds) -> dict[str, str]:
 def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, framework: str, step: int,
                  flats: Mapping[str, list[np.ndarray]] = {}, arrays: Mapping[str, Sequence[np.ndarray]] = {},
                  stage: int | None = None, optimizer: OptimizerInfo | None = None,
-                 metadata: dict | None = None) -> Manifest:
+                 metadata: dict | None = None, buffers: Mapping[str, np.ndarray] | None = None,
+                 run_state: dict | None = None) -> Manifest:
     """Save ``world_size`` rank files from this process, written in parallel, the manifest last.
 
     Each kind comes as padded flat buckets (``flats[kind][b]`` of ``padded_length(b)`` elements) or
-    as whole arrays in the plan's spec order (``arrays[kind]``), in stored dtypes."""
+    as whole arrays in the plan's spec order (``arrays[kind]``), in stored dtypes. ``buffers``
+    (replicated, by name) go into rank 0's file once; ``run_state`` is JSON kept in the manifest."""
     shards = shard_flat(plan, world_size)
     for kind, per_bucket in flats.items():
         lengths = [len(f) for f in per_bucket]
         want = [shards.padded_length(b) for b in range(plan.num_buckets)]
         assert lengths == want, f"{kind}: flat lengths {lengths}, the plan pads to {want}"
+    buffer_meta, buffer_tensors = buffer_entries(buffers or {})
     body = Manifest(framework, world_size, stage, int(step), plan, optimizer, dtypes_of(plan, [*flats, *arrays]),
-                    (), dict(metadata or {}))
+                    (), dict(metadata or {}), buffer_meta, check_json(run_state or {}, "run state"))
     digest = body.body_digest()
+
+    def contents(rank):
+        tensors = rank_tensors(plan, world_size, rank, flats=flats, arrays=arrays)
+        return {**tensors, **buffer_tensors} if rank == 0 else tensors
+
     begin_save(path)
     with concurrent.futures.ThreadPoolExecutor(min(world_size, 8)) as pool:
-        files = list(pool.map(lambda r: write_shard(path, r, world_size,
-                                                    rank_tensors(plan, world_size, r, flats=flats, arrays=arrays),
-                                                    body_digest=digest),
+        files = list(pool.map(lambda r: write_shard(path, r, world_size, contents(r), body_digest=digest),
                               range(world_size)))
     manifest = dataclasses.replace(body, files=tuple(files))
     commit_save(path, manifest)
@@ -94,7 +112,8 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
 def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, world_size: int = 1, step: int = 0,
                 slots: Mapping[str, Mapping[str, np.ndarray]] | None = None, optimizer: OptimizerInfo | None = None,
                 plan: BucketPlan | None = None, stage: int | None = None, framework: str = "numpy",
-                metadata: dict | None = None) -> Manifest:
+                metadata: dict | None = None, buffers: Mapping[str, np.ndarray] | None = None,
+                run_state: dict | None = None) -> Manifest:
     """Save whole arrays by name (registration order) as a checkpoint of ``world_size`` shards.
 
     Args:
@@ -106,6 +125,8 @@ def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, wo
       optimizer: what the slots belong to (:class:`OptimizerInfo`).
       plan: the bucket plan to cut by; default ``plan_buckets`` of the arrays' specs.
       stage, framework, metadata: recorded in the manifest.
+      buffers: replicated non-trainable arrays by name (BatchNorm statistics), saved once.
+      run_state: JSON the run needs back (``{"scheduler": ..., "state": ...}``).
 
     >>> import numpy as np, tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -130,7 +151,18 @@ def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, wo
 
     arrays = {"params": ordered(params, "params"), **{k: ordered(v, k) for k, v in slots.items()}}
     return save_sharded(path, plan=plan, world_size=world_size, arrays=arrays, framework=framework, step=step,
-                        stage=stage, optimizer=optimizer, metadata=metadata)
+                        stage=stage, optimizer=optimizer, metadata=metadata, buffers=buffers, run_state=run_state)
+
+
+def check_json(value: dict, what: str) -> dict:
+    """``value`` if it survives a JSON round trip, else a ValueError naming the first key that does not."""
+    for key, item in value.items():
+        try:
+            json.dumps(item, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the {what} must be JSON-serializable: {key!r} is not ({e}); convert it (e.g. "
+                             f"tensors and arrays with .tolist()) before saving") from None
+    return value
 
 
 def _stored_plan(plan: BucketPlan) -> BucketPlan:

@@ -19,10 +19,10 @@ import optax
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
 from hybrid.jax import ZeroState
-from hybrid.jax._specs import _Layout
+from hybrid.jax._specs import _Layout, _leaves
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
-from hybrid.checkpoint._write import save_arrays, save_sharded, to_storage
+from hybrid.checkpoint._write import check_json, save_arrays, save_sharded, to_storage
 
 _SLOTS = {optax.ScaleByAdamState: ("mu", "nu"), optax.TraceState: ("trace",)}
 _NODES = (ZeroState, optax.ScaleByScheduleState, *_SLOTS)
@@ -82,7 +82,7 @@ def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
 def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=None, world_size: int | None = None,
          stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-         metadata: dict | None = None) -> Manifest:
+         metadata: dict | None = None, buffers=None, state: dict | None = None) -> Manifest:
     """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
 
     With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
@@ -99,6 +99,12 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
       world_size: files to write for an unsharded state (a zero state has its own).
       stage, optimizer, hyperparameters, metadata: recorded in the manifest (``optimizer``
         defaults to "adam" for a ScaleByAdamState, "sgd" for a TraceState).
+      buffers: the non-trainable collection (flax's ``batch_stats``), replicated: saved once,
+        named by key path as the parameters are (torch's buffer names for the same layout);
+        read back with :func:`load_buffers`.
+      state: JSON-serializable run state (data position, seeds), read back with
+        :func:`hybrid.checkpoint.read_state`. An optax schedule needs nothing: its step count
+        lives in the optimizer state, which the load restores.
 
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
@@ -111,9 +117,11 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     layout = _layout(params, order, caps)
     names = [s.name for s in layout.plan.specs]
     host_params = [_host(p) for p in layout.spec_arrays(params)]
+    extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
+                  run_state={"state": check_json(dict(state), "state")} if state is not None else {})
     if opt_state is None:
         return save_arrays(path, dict(zip(names, host_params)), world_size=world_size or 1, step=step,
-                           plan=layout.plan, stage=stage, framework="jax", metadata=metadata)
+                           plan=layout.plan, stage=stage, framework="jax", **extras)
     node, zero = _slot_node(opt_state)
     slots = _SLOTS[type(node)]
     count = int(_host(node.count)) if hasattr(node, "count") else int(step)
@@ -121,7 +129,7 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     if zero is None:
         values = {s: dict(zip(names, (_host(a) for a in layout.spec_arrays(getattr(node, s))))) for s in slots}
         return save_arrays(path, dict(zip(names, host_params)), world_size=world_size or 1, step=step, slots=values,
-                           optimizer=info, plan=layout.plan, stage=stage, framework="jax", metadata=metadata)
+                           optimizer=info, plan=layout.plan, stage=stage, framework="jax", **extras)
     n = _world_of(getattr(node, slots[0])[0])
     if world_size not in (None, n):
         raise ValueError(f"save: world_size={world_size}, but the zero state is sharded over {n} devices")
@@ -129,7 +137,7 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     flats = {s: [to_storage(_host(a)) for a in getattr(node, s)] for s in slots}
     return save_sharded(path, plan=layout.plan, world_size=n, flats=flats,
                         arrays={"params": [to_storage(a) for a in host_params]}, framework="jax", step=step,
-                        stage=stage, optimizer=info, metadata=metadata)
+                        stage=stage, optimizer=info, **extras)
 
 
 def _like(value: np.ndarray, old):
@@ -173,10 +181,47 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     return new_params, _load_state(ckpt, layout, opt_state), ckpt.manifest.step
 
 
+def _named_buffers(buffers) -> dict[str, np.ndarray]:
+    if buffers is None:
+        return {}
+    names, leaves, _ = _leaves(buffers)
+    return {n: _host(x) for n, x in zip(names, leaves)}
+
+
+def load_buffers(path: str | os.PathLike, buffers):
+    """The checkpoint's buffers (torch's persistent buffers, or what JAX saved with ``buffers=``)
+    in the structure, dtypes and placement of ``buffers`` (e.g. flax's ``batch_stats``), matched by
+    key-path name; a missing, extra or mis-shaped buffer raises CheckpointError naming it.
+
+    >>> import jax.numpy as jnp, tempfile, os
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = save(d, {"w": jnp.ones(2)}, step=1, buffers={"bn": {"mean": jnp.full(3, 0.5)}})
+    >>> load_buffers(d, {"bn": {"mean": jnp.zeros(3)}})["bn"]["mean"].tolist()
+    [0.5, 0.5, 0.5]
+    """
+    ckpt = Checkpoint(path)
+    names, leaves, treedef = _leaves(buffers)
+    ckpt.check_buffers({n: tuple(np.shape(x)) for n, x in zip(names, leaves)}, what="buffers")
+    saved = ckpt.buffers()
+    return jax.tree_util.tree_unflatten(treedef, [_like(saved[n], x) for n, x in zip(names, leaves)])
+
+
+def _refuse_per_parameter_state(ckpt: Checkpoint, info: OptimizerInfo) -> None:
+    """optax holds one count and every slot for every leaf: a torch state that does not is refused."""
+    partial = [n for n in info.without_state if len(info.without_state) < len(ckpt.manifest.plan.specs)]
+    if partial or info.counts or info.slot_params:
+        raise CheckpointError(
+            f"{ckpt.path}: torch's optimizer state is per parameter here (no state yet: {partial}; step counts "
+            f"that differ: {info.counts}; slots held by some parameters only: {sorted(info.slot_params)}), and an "
+            f"optax state holds one count and every slot for every leaf: resume it in torch, or save it once "
+            f"every parameter has stepped alike")
+
+
 def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
     info = ckpt.manifest.optimizer
     if info is None:
         raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")
+    _refuse_per_parameter_state(ckpt, info)
     node, zero = _slot_node(opt_state)
     slots = _SLOTS[type(node)]
     if set(info.slots) != set(slots):

@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._write", "hybrid.checkpoint.torch", "hybrid.checkpoint.jax"]
+MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._write", "hybrid.checkpoint._manifest",
+           "hybrid.checkpoint._torch_save", "hybrid.checkpoint._torch_load", "hybrid.checkpoint.jax"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,212 @@
+"""Loading torch runs: parameters, buffers, optimizer state and hyperparameters, the LR scheduler,
+as torch's own ``load_state_dict`` calls would restore them; or a checkpoint as torch's dicts.
+
+A load reads files only (no communication): call it on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
+from hybrid.checkpoint._torch_state import (
+    TORCH_KEY_OF_SLOT, _group_sizes, _inner, _params_in_state_order, _specs, _torch, _unwrap, expected_slots,
+    named_buffers, named_parameters, param_names_by_group)
+
+_NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")
+
+
+def state_dicts(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint as torch's two dicts: ``model.state_dict()`` (parameters and buffers by name),
+    and the state dict of a plain optimizer over ``model.parameters()`` with the saved param groups
+    (the format ``ZeroRedundancyOptimizer.consolidate_state_dict`` + ``state_dict()`` gives).
+
+    >>> import torch, tempfile, os
+    >>> from hybrid.checkpoint.torch import save
+    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt"); _ = save(d, model, opt, step=1)
+    >>> model_sd, opt_sd = state_dicts(d)
+    >>> sorted(model_sd), sorted(opt_sd["state"][0])
+    (['bias', 'weight'], ['momentum_buffer'])
+    """
+    ckpt = Checkpoint(path)
+    ckpt.verify()
+    specs = ckpt.manifest.plan.specs
+    likes = [torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in specs]
+    params = ckpt.tensors("params")
+    model = {s.name: _torch(params[s.name], like) for s, like in zip(specs, likes)}
+    for name, value in ckpt.buffers().items():
+        model[name] = _torch(value, torch.empty(value.shape, dtype=getattr(torch, ckpt.manifest.buffers[name]["dtype"])))
+    info = ckpt.manifest.optimizer
+    if info is None:
+        return model, {"state": {}, "param_groups": []}
+    state = torch_states(ckpt, info, likes)
+    saved = info.hyperparameters.get("param_groups") or [{}]
+    index = {s.name: i for i, s in enumerate(specs)}
+    if len(saved) == 1 or not all("param_names" in g for g in saved):
+        if len(saved) != 1:
+            raise CheckpointError(f"{ckpt.path}: saved with {len(saved)} parameter groups but without their "
+                                  "parameters' names (an older hybrid); load with load() into your optimizer")
+        groups = [{**_hyper(saved[0]), "params": list(range(len(specs)))}]
+    else:
+        groups = [{**_hyper(g), "params": [index[n] for n in g["param_names"]]} for g in saved]
+    return model, {"state": state, "param_groups": groups}
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
+
+
+def torch_states(ckpt: Checkpoint, info: OptimizerInfo, likes: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """torch's per-parameter state (checkpoint order) from the slots: nothing for a parameter the
+    manifest says has no state, each its own step count, only the slots it holds."""
+    specs = ckpt.manifest.plan.specs
+    if info.count == 0 and not info.counts:
+        return {}  # never stepped: a fresh torch optimizer holds no state
+    slots = {s: ckpt.tensors(s) for s in info.slots}
+    state = {}
+    for i, (spec, like) in enumerate(zip(specs, likes)):
+        if not info.has_state(spec.name):
+            continue
+        st: dict[str, Any] = {"step": torch.tensor(float(info.count_of(spec.name)))} if info.name != "sgd" else {}
+        for slot in info.slots:
+            if info.holds(slot, spec.name):
+                st[TORCH_KEY_OF_SLOT.get(slot, slot)] = _torch(slots[slot][spec.name], like)
+        state[i] = st
+    return state
+
+
+def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, scheduler=None,
+         hyperparameters: str = "checkpoint", buffers: bool = True) -> int:
+    """Load a checkpoint (saved by either frontend, at any world size) into ``module``,
+    ``optimizer`` and ``scheduler``, as torch's ``load_state_dict`` calls would; returns the saved step.
+
+    Every file is checked (size, SHA-256, contents, the manifest they were written for) and every
+    tensor and buffer matched to the model by name, shape and dtype before anything changes: a bad
+    checkpoint raises :class:`~hybrid.checkpoint.CheckpointError` naming the file and leaves the
+    model, optimizer and scheduler as they were. Call it on every rank (it reads files, it does
+    not communicate). The user's run state comes back from :func:`hybrid.checkpoint.read_state`.
+
+    Args:
+      hyperparameters: ``"checkpoint"`` (torch's behaviour): each param group gets the saved
+        hyperparameters (lr, betas, weight_decay, amsgrad, ``initial_lr``, ...) of the saved group
+        with the same parameters (matched by name; a group whose parameters moved is an error).
+        ``"optimizer"``: keep those the receiving optimizer was built with.
+      buffers: restore the module's persistent buffers (BatchNorm statistics); False keeps the
+        module's own (e.g. a checkpoint saved without them).
+
+    >>> import torch, tempfile, os
+    >>> from hybrid.checkpoint.torch import save
+    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt"); _ = save(d, model, opt, step=5, world_size=3)
+    >>> other = torch.nn.Linear(3, 2); other_opt = torch.optim.Adam(other.parameters(), lr=0.5)
+    >>> load(d, other, other_opt), other_opt.param_groups[0]["lr"]
+    (5, 0.1)
+    >>> torch.equal(other.weight, model.weight)
+    True
+    """
+    if hyperparameters not in ("checkpoint", "optimizer"):
+        raise ValueError(f"load: hyperparameters={hyperparameters!r}; expected 'checkpoint' (restore the saved "
+                         f"ones, as torch does) or 'optimizer' (keep the optimizer's own)")
+    ckpt = Checkpoint(path)
+    named = named_parameters(module)
+    what = type(_unwrap(module)).__name__
+    ckpt.check_model(_specs(named), what=what)
+    named_bufs = named_buffers(module) if buffers else []
+    if named_bufs and not ckpt.manifest.buffers:
+        raise CheckpointError(f"{ckpt.path}: holds no buffers, but {what} has {[n for n, _ in named_bufs]} (saved by "
+                              f"an older hybrid, or from JAX without buffers=): load with buffers=False to keep "
+                              f"the module's own")
+    if buffers:
+        ckpt.check_buffers({n: tuple(b.shape) for n, b in named_bufs}, what=what)
+    if scheduler is not None and "scheduler" not in ckpt.manifest.run_state:
+        raise CheckpointError(f"{ckpt.path}: holds no LR scheduler state (saved without scheduler=)")
+    ckpt.verify()
+    params = ckpt.tensors("params")
+    new_params = [_torch(params[n], p) for n, p in named]
+    saved_buffers = ckpt.buffers() if buffers else {}
+    new_buffers = [_torch(saved_buffers[n], b) for n, b in named_bufs]
+    optimizer_state = None
+    if optimizer is not None:
+        optimizer_state = _optimizer_state_dict(ckpt, named, optimizer, hyperparameters)
+    # Nothing has changed so far; from here on the inputs are all checked.
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    with torch.no_grad():
+        for (_, p), value in zip(named, new_params):
+            p.copy_(value)
+        for (_, b), value in zip(named_bufs, new_buffers):
+            b.copy_(value)
+    if scheduler is not None:
+        scheduler.load_state_dict(ckpt.manifest.run_state["scheduler"])
+    return ckpt.manifest.step
+
+
+def _restored_groups(ckpt: Checkpoint, optimizer, group_names: list[list[str]]) -> list[dict]:
+    """The receiving optimizer's groups with the saved hyperparameters of the group holding the
+    same parameters (torch restores every key but ``params``)."""
+    own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    saved = ckpt.manifest.optimizer.hyperparameters.get("param_groups") or []
+    if not saved:
+        return own
+    if not all("param_names" in g for g in saved):
+        warnings.warn(f"{ckpt.path}: saved by an older hybrid, without its param groups' parameter names: the "
+                      f"optimizer keeps its own hyperparameters", stacklevel=3)
+        return own
+    by_names = {frozenset(g["param_names"]): g for g in saved}
+    out = []
+    for i, names in enumerate(group_names):
+        g = by_names.get(frozenset(names))
+        if g is None:
+            raise CheckpointError(
+                f"{ckpt.path}: the optimizer's param group {i} holds {names}, which is no saved group "
+                f"(the checkpoint's groups hold {[s['param_names'] for s in saved]}): build the optimizer with "
+                f"the saved groups, or load with hyperparameters='optimizer' to keep its own")
+        # JSON made tuples lists: give back torch's types where the optimizer has a tuple (betas).
+        restored = {k: (tuple(v) if isinstance(own[i].get(k), tuple) else v) for k, v in _hyper(g).items()}
+        out.append({**own[i], **restored})
+    return out
+
+
+def _optimizer_state_dict(ckpt: Checkpoint, named, optimizer, hyperparameters: str) -> dict[str, Any]:
+    info = ckpt.manifest.optimizer
+    if info is None:
+        raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")
+    name_of = {id(p): n for n, p in named}
+    order = _params_in_state_order(optimizer)
+    unknown = [i for i, p in enumerate(order) if id(p) not in name_of]
+    if unknown:
+        raise CheckpointError(f"the optimizer steps {len(unknown)} tensors that are not parameters of the model")
+    group_names = param_names_by_group(optimizer, name_of)
+    groups = (_restored_groups(ckpt, optimizer, group_names) if hyperparameters == "checkpoint"
+              else [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    want = expected_slots(optimizer, groups)
+    if set(info.slots) != set(want):
+        raise CheckpointError(f"{ckpt.path}: holds {info.name} state {list(info.slots)}, but "
+                              f"{type(_inner(optimizer)).__name__} keeps {list(want)}")
+    for group, names in zip(groups, group_names):
+        if group.get("amsgrad"):
+            lacking = [n for n in names if info.has_state(n) and not info.holds("max_nu", n)]
+            if lacking:
+                raise CheckpointError(f"{ckpt.path}: parameters {lacking} are in an AMSGrad group, but were saved "
+                                      f"without AMSGrad's max_exp_avg_sq")
+    position = {n: i for i, n in enumerate(s.name for s in ckpt.manifest.plan.specs)}
+    like_of = dict(named)
+    saved = torch_states(ckpt, info, [like_of[s.name] for s in ckpt.manifest.plan.specs])
+    state = {}
+    for i, p in enumerate(order):
+        st = saved.get(position[name_of[id(p)]])
+        if st is not None:
+            state[i] = st
+    out_groups, start = [], 0
+    for group, size in zip(groups, _group_sizes(optimizer)):
+        out_groups.append({**group, "params": list(range(start, start + size))})
+        start += size
+    return {"state": state, "param_groups": out_groups}

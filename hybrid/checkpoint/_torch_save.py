@@ -1,0 +1,229 @@
+"""Saving torch runs: a DDP model with ZeroRedundancyOptimizer, ZeRO2 or a plain ``torch.optim``
+optimizer (and its LR scheduler, buffers and the user's state), or torch's own ``state_dict()``s.
+
+Every rank writes its own file (its flat slice of every bucket of the checkpoint plan) and rank 0
+writes the manifest last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.core import pack, plan_buckets, shard_flat
+from hybrid.checkpoint._files import write_shard
+from hybrid.checkpoint._protocol import begin_save, commit_save
+from hybrid.checkpoint._manifest import CheckpointError, Manifest
+from hybrid.checkpoint._write import _stored_plan, buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays
+from hybrid.checkpoint._torch_state import (
+    _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _local_states, _numpy,
+    _slots_and_count, _specs, expected_slots, named_buffers, named_parameters, optimizer_info)
+
+def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: int, process_group=None,
+         world_size: int | None = None, scheduler=None, state: dict | None = None,
+         metadata: dict | None = None) -> Manifest | None:
+    """Save ``module``'s parameters and buffers, ``optimizer``'s state and hyperparameters, the LR
+    ``scheduler``'s state and the user's ``state`` as a sharded checkpoint.
+
+    Under ``torch.distributed`` this is a collective: call it on every rank of ``process_group``;
+    each rank writes its own file, rank 0 the manifest, and all return once it is in place (rank
+    0 gets the :class:`~hybrid.checkpoint.Manifest`, the others ``None``). Without a process
+    group it writes ``world_size`` files (default 1) from this process: a checkpoint made from a
+    plain model and ``torch.optim`` optimizer, loadable at any world size.
+
+    Args:
+      path: the checkpoint directory; an existing one is replaced only once the save is complete.
+      module: the model, bare or wrapped in (hybrid's or torch's) DistributedDataParallel. Its
+        persistent buffers (BatchNorm statistics, ...) are saved once, from rank 0's copy.
+      optimizer: a ``hybrid.torch.ZeroRedundancyOptimizer`` (also with overlap hooks), ``ZeRO2``,
+        torch's ``ZeroRedundancyOptimizer`` or a plain Adam / AdamW (AMSGrad too) / SGD; None
+        saves no optimizer state. Parameters without state yet are recorded as such.
+      step: the training step to record (returned by :func:`load`).
+      process_group: the group that shards the state (default: the world, if initialised).
+      world_size: only without a process group: how many rank files to write.
+      scheduler: an LR scheduler whose ``state_dict()`` is saved (``load(..., scheduler=)``).
+      state: JSON-serializable run state (data-loader position, seeds, epoch), given back by
+        :func:`hybrid.checkpoint.read_state`.
+      metadata: JSON-able extras recorded in the manifest.
+
+    >>> import torch, tempfile, os
+    >>> model = torch.nn.Linear(3, 2)
+    >>> opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save(d, model, opt, step=1, world_size=2, state={"epoch": 3}).optimizer.slots
+    ('mu', 'nu')
+    """
+    named = named_parameters(module)
+    name_of = {id(p): n for n, p in named}
+    plan = plan_buckets(_specs(named))
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and world_size is not None and world_size != dist.get_world_size(process_group):
+        raise ValueError(f"save: world_size={world_size} given, but the process group has "
+                         f"{dist.get_world_size(process_group)} ranks; each rank writes its own file")
+    run_state = _run_state(scheduler, state)
+    states, complete = _local_states(optimizer) if optimizer is not None else ({}, True)
+    slots, counts = _slots_and_count(named, states)
+    describe = None if optimizer is None else _describer(optimizer, named, name_of, step)
+    stage = 2 if _is_zero2(optimizer) else 1 if _is_zero1(optimizer) else 0
+    params = {n: _numpy(p) for n, p in named}
+    buffers = {n: _numpy(b) for n, b in named_buffers(module)}
+    extras = dict(metadata=metadata, buffers=buffers, run_state=run_state)
+    if not distributed:
+        info = describe(counts, {s: set(v) for s, v in slots.items()}) if describe else None
+        return save_arrays(path, params, world_size=world_size or 1, step=step, slots=_fill_slots(params, slots, info),
+                           optimizer=info, plan=plan, stage=stage, framework="torch", **extras)
+    return _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, process_group,
+                             extras)
+
+
+def _describer(optimizer, named, name_of, step):
+    """``describe(counts, holders) -> OptimizerInfo`` once every rank's state is known."""
+    inner_name = type(_inner(optimizer)).__name__
+    name, expected = _NAME_OF_CLASS.get(inner_name, inner_name), expected_slots(optimizer)
+    hyper, names = _hyperparameters(optimizer, name_of), [n for n, _ in named]
+    return lambda counts, holders: optimizer_info(name, expected, hyper, names, counts, holders, sgd_count=step)
+
+
+def _run_state(scheduler, state) -> dict:
+    out = {}
+    if state is not None:
+        out["state"] = check_json(dict(state), "state")
+    if scheduler is not None:
+        out["scheduler"] = scheduler.state_dict()
+        check_json(out["scheduler"], f"{type(scheduler).__name__}.state_dict()")
+    return out
+
+
+def _collective(path, what: str, fn, *args, **kwargs):
+    """Run a collective of a save; a peer that died or stalled becomes an error naming the save."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise RuntimeError(f"saving checkpoint {path}: rank {dist.get_rank()} failed in {what} (a peer died, "
+                           f"stalled past the process group's timeout, or left); the previous checkpoint at "
+                           f"this path is untouched. Cause: {e}") from e
+
+
+def _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, group, extras):
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    # One object collective settles what every rank must agree on before any data moves: each
+    # parameter's step count and which slots it holds, wherever its state lives.
+    mine = (counts, {s: sorted(v) for s, v in slots.items()})
+    everyone: list = [None] * world_size
+    _collective(path, "the all_gather_object of step counts", dist.all_gather_object, everyone, mine, group=group)
+    all_counts, holders = {}, {}
+    for r, (their_counts, their_slots) in enumerate(everyone):
+        for name, c in their_counts.items():
+            if all_counts.setdefault(name, c) != c:
+                raise CheckpointError(f"ranks disagree on the step count of {name!r} ({all_counts[name]} and {c} "
+                                      f"on rank {r})")
+        for s, names in their_slots.items():
+            holders.setdefault(s, set()).update(names)
+    info = describe(all_counts, holders) if describe else None
+    shards = shard_flat(plan, world_size)
+    stored = _stored_plan(plan)
+    names = [s.name for s in plan.specs]
+
+    def flats(arrays):
+        ordered = [arrays[n] for n in names]
+        return [pack(stored, b, ordered, length=shards.padded_length(b)) for b in range(plan.num_buckets)]
+
+    all_arrays = {"params": [params[n] for n in names]}
+    all_flats = {}
+    for slot, arrays in _fill_slots(params, slots, info).items():
+        if complete:
+            all_arrays[slot] = [arrays[n] for n in names]
+            continue
+        # Each rank holds whole tensors of its own share (zeros elsewhere). Summing slice r over the
+        # ranks onto rank r gives rank r its slice of the whole state, exactly (x + 0 == x): one
+        # reduce per slice moves half the bytes an all-reduce would.
+        per_bucket = flats(arrays)
+        works = []
+        for b, flat in enumerate(per_bucket):
+            t = torch.from_numpy(flat.view(np.int16) if flat.dtype == np.uint16 else flat)
+            if flat.dtype == np.uint16:
+                t = t.view(torch.bfloat16)
+            for r in range(world_size):
+                lo, hi = shards.shard_range(b, r)
+                if hi > lo:
+                    works.append(_collective(path, f"the reduce of {slot} bucket {b} onto rank {r}", dist.reduce,
+                                             t[lo:hi], dst=dist.get_global_rank(group, r) if group else r,
+                                             group=group, async_op=True))
+        for w in works:
+            _collective(path, f"the reduces of {slot}", w.wait)
+        all_flats[slot] = per_bucket
+    buffer_meta, buffer_tensors = buffer_entries(extras["buffers"])
+    if rank == 0:
+        begin_save(path)
+    _collective(path, "the barrier before writing", dist.barrier, group=group)
+    # Every rank builds the same manifest body (the file list aside): its digest goes in each file.
+    body = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, [*all_arrays, *all_flats]),
+                    (), dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])
+    tensors = rank_tensors(plan, world_size, rank, flats=all_flats, arrays=all_arrays)
+    entry = write_shard(path, rank, world_size, {**tensors, **buffer_tensors} if rank == 0 else tensors,
+                        body_digest=body.body_digest())
+    entries: list = [None] * world_size
+    _collective(path, "the all_gather_object of file checksums", dist.all_gather_object, entries, entry, group=group)
+    manifest = None
+    if rank == 0:
+        manifest = dataclasses.replace(body, files=tuple(entries))
+        commit_save(path, manifest)
+    # Nobody returns (and perhaps loads) before the manifest is in place.
+    _collective(path, "the barrier after the manifest", dist.barrier, group=group)
+    return manifest
+
+
+def save_state_dicts(path: str | os.PathLike, model_state_dict: dict[str, torch.Tensor],
+                     optimizer_state_dict: dict[str, Any] | None = None, *, step: int = 0, world_size: int = 1,
+                     param_names: list[str] | None = None, optimizer: str | None = None,
+                     metadata: dict | None = None) -> Manifest:
+    """A sharded checkpoint from torch's dicts: ``model.state_dict()`` and a plain optimizer's
+    ``state_dict()`` (or what ``ZeroRedundancyOptimizer.consolidate_state_dict`` +
+    ``state_dict()`` gives), state index ``i`` being parameter ``param_names[i]``.
+
+    Args:
+      param_names: the parameters in the optimizer's order (default: every entry of
+        ``model_state_dict``, which is right for models without buffers).
+      optimizer: "adam", "adamw" or "sgd" (default: "adam" if the state has ``exp_avg``).
+
+    >>> import torch, tempfile, os
+    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.Adam(model.parameters())
+    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save_state_dicts(d, model.state_dict(), opt.state_dict(), step=1, world_size=2).optimizer.count
+    1
+    """
+    names = list(model_state_dict) if param_names is None else list(param_names)
+    missing = [n for n in names if n not in model_state_dict]
+    if missing:
+        raise ValueError(f"save_state_dicts: param_names {missing} are not in the model state dict")
+    params = {n: _numpy(model_state_dict[n]) for n in names}
+    info, slots = None, {}
+    if optimizer_state_dict is not None:
+        state = optimizer_state_dict["state"]
+        named = [(n, model_state_dict[n]) for n in names]
+        states = {id(model_state_dict[n]): state[i] for i, n in enumerate(names) if state.get(i)}
+        slots, counts = _slots_and_count(named, states)
+        keys = {k for st in state.values() for k in st}
+        name = optimizer or ("adam" if "exp_avg" in keys else "sgd")
+        groups = []
+        for g in optimizer_state_dict.get("param_groups", []):
+            group = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k not in ("params", "param_names")}
+            groups.append({**group, "param_names": [names[i] for i in g["params"] if i < len(names)]})
+        if name in ("adam", "adamw"):
+            expected = ("mu", "nu", "max_nu") if "max_nu" in slots else ("mu", "nu")
+        else:
+            expected = tuple(sorted(slots))
+        info = optimizer_info(name, expected, {"param_groups": groups}, names, counts,
+                              {s: set(v) for s, v in slots.items()}, sgd_count=step)
+        slots = _fill_slots(params, slots, info)
+    specs = _specs([(n, model_state_dict[n]) for n in names])
+    return save_arrays(path, params, world_size=world_size, step=step, slots=slots, optimizer=info,
+                       plan=plan_buckets(specs), stage=0, framework="torch", metadata=metadata)
