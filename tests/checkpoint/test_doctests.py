@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._write", "hybrid.checkpoint.torch", "hybrid.checkpoint.jax"]
+MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._write", "hybrid.checkpoint.torch", "hybrid.checkpoint.jax",
+           "hybrid.checkpoint._optax_groups"]
 
 
 @pytest.mark.parametrize("name", MODULES)
