@@ -22,6 +22,7 @@ from hybrid.jax import ZeroState
 from hybrid.jax._specs import _Layout, _leaves
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
+from hybrid.checkpoint._optax_groups import optax_from_manifest  # noqa: F401  (public: torch's param groups in optax)
 from hybrid.checkpoint._write import check_json, save_arrays, save_sharded, to_storage
 
 _SLOTS = {optax.ScaleByAdamState: ("mu", "nu"), optax.TraceState: ("trace",)}
@@ -124,7 +125,7 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
                            plan=layout.plan, stage=stage, framework="jax", **extras)
     node, zero = _slot_node(opt_state)
     slots = _SLOTS[type(node)]
-    count = int(_host(node.count)) if hasattr(node, "count") else int(step)
+    count = int(_host(node.count)) if "count" in node._fields else int(step)  # TraceState: tuple.count is a method
     info = OptimizerInfo(optimizer or ("adam" if "nu" in slots else "sgd"), slots, count, dict(hyperparameters or {}))
     if zero is None:
         values = {s: dict(zip(names, (_host(a) for a in layout.spec_arrays(getattr(node, s))))) for s in slots}
@@ -245,7 +246,7 @@ def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
 
     def replace(x):
         if x is node:
-            fields = {**values, **({"count": _like(np.asarray(info.count), x.count)} if hasattr(x, "count") else {})}
+            fields = {**values, **({"count": _like(np.asarray(info.count), x.count)} if "count" in x._fields else {})}
             return x._replace(**fields)
         if isinstance(x, optax.ScaleByScheduleState):
             return x._replace(count=_like(np.asarray(info.count), x.count))

@@ -12,7 +12,7 @@ import optax
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
-from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device
+from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device, tracks_varying
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["buckets"], meta_fields=["plan_fingerprint"])
@@ -84,13 +84,18 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
         if not persistent_buckets:
             return optax.EmptyState()
         plan = layout_of(params, "bucketed_all_reduce.init").plan
-        return BucketedAllReduceState(tuple(jnp.zeros(b.length, b.dtype) for b in plan.buckets),
-                                      plan.fingerprint())
+        buckets = tuple(jnp.zeros(b.length, b.dtype) for b in plan.buckets)
+        if isinstance(axis_name, str) and _bound(axis_name) and tracks_varying(axis_name):
+            # Per-device buffers from the start, so an update can tell them from a P() in_spec.
+            buckets = tuple(jax.lax.pcast(x, axis_name, to="varying") for x in buckets)
+        return BucketedAllReduceState(buckets, plan.fingerprint())
 
     def update_fn(updates, state, params=None):
         del params
         n = axis_size(axis_name, "bucketed_all_reduce")
         check_per_device(updates, axis_name, "bucketed_all_reduce")
+        if persistent_buckets:
+            check_state_per_device(state, axis_name, "bucketed_all_reduce")
         layout = layout_of(updates, "bucketed_all_reduce")
         buffers = _buffers(state, layout.plan, persistent_buckets)
         arrays = layout.spec_arrays(updates)
@@ -109,6 +114,15 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
         return layout.unflatten(out), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _bound(axis_name) -> bool:
+    # init may run where no axis is bound (a plain tx.init(params)): nothing varies there.
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
 
 
 def _buffers(state, plan, persistent: bool) -> tuple:

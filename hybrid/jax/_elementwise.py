@@ -19,6 +19,9 @@ import jax
 import numpy as np
 import optax
 
+from hybrid.jax._on_shards import on_shards
+from hybrid.jax._masks import MASKING, ProbeBinder, bind, closure_cells, contains_masks, outside_combinators
+
 # optax transforms whose result depends on statistics across elements, leaves or shapes: run on
 # per-bucket flat shards they would silently compute something else. Matched on the qualified name
 # of their update function (``clip_by_global_norm.<locals>.update_fn``).
@@ -36,16 +39,6 @@ GLOBAL_DECISIONS = {
     "apply_if_finite": "hybrid.jax.apply_if_finite(inner, max_consecutive_errors, axis_name), "
                        "which takes the skip decision over all devices",
 }
-
-
-def _cells(fn) -> dict:
-    out = {}
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        try:
-            out[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            pass
-    return out
 
 
 def _injected_inner(cells: dict):
@@ -86,7 +79,7 @@ def optax_names(inner, names) -> list[str]:
                 outer = obj.__qualname__.split(".<locals>")[0]
                 if outer in names and outer not in found:
                     found.append(outer)
-            cells = _cells(obj)
+            cells = closure_cells(obj)
             if "inner_factory" in cells and "numeric_hps" in cells:
                 visit(_injected_inner(cells), depth + 1)
             for x in cells.values():
@@ -106,8 +99,15 @@ def optax_names(inner, names) -> list[str]:
 
 
 def non_elementwise(inner) -> list[str]:
-    """Names of known non-elementwise optax transforms reachable from ``inner``."""
-    return optax_names(inner, NON_ELEMENTWISE)
+    """Names of known non-elementwise optax transforms reachable from ``inner``.
+
+    Masks and partitions (``masked``, ``partition`` / ``multi_transform``, ``adamw(mask=...)``)
+    that ``zero`` rewrites for its flat slices (reached through chains, named chains and other
+    masks: ``hybrid.jax._masks``) are left out; behind any other wrapper they are named.
+    """
+    found = optax_names(inner, NON_ELEMENTWISE)
+    hidden = {n for t in outside_combinators(inner) for n in optax_names(t, MASKING)}
+    return [n for n in found if n not in MASKING or n in hidden]
 
 
 # The probe: two leaves (zero hands its inner one flat slice per bucket) of 8 elements, the
@@ -142,16 +142,19 @@ def probe_difference(inner, axis_name) -> float:
     params, grads = _probe_inputs()
 
     def run(params, grads):
-        state, out = inner.init(params), []
+        # Masks and partitions run as zero runs them: rewritten for flat slices, here with
+        # elements masked in and out in turn (each wrapped transform sees both).
+        tx = bind(inner, ProbeBinder(axis_name, len(params), 2 * _PROBE_HALF)) if contains_masks(inner) else inner
+        state, out = tx.init(params), []
         for g in grads:
-            u, state = inner.update(g, state, params)
+            u, state = tx.update(g, state, params)
             out.append(u)
         return out
 
     def halves(tree):
         return jax.tree_util.tree_map(lambda x: x.reshape(2, _PROBE_HALF), tree)
 
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval(), on_shards(axis_name):
         whole = jax.vmap(run, in_axes=None, axis_size=1, axis_name=axis_name)(params, grads)
         split = jax.vmap(run, axis_size=2, axis_name=axis_name)(halves(params), halves(grads))
     worst = 0.0

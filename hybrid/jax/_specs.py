@@ -183,8 +183,30 @@ def check_per_device(tree, axis_name, what: str) -> None:
     names, leaves, _ = _leaves(tree)
     summed = [n for n, x in zip(names, leaves) if axis_name not in varying_axes(x)]
     if summed:
+        reducer = "zero" if what.startswith("zero") else "bucketed_all_reduce"
         raise ValueError(
             f"{what}: gradient leaf {summed[0]!r} (and {len(summed) - 1} more) is invariant over "
-            f"{axis_name!r}: inside shard_map, jax.grad of replicated (P()) parameters already sums the "
-            f"gradient over the axis, and reducing it again would scale it by the axis size. Take "
-            f"per-device gradients with hybrid.jax.local_grad(loss, {axis_name!r}) instead of jax.grad")
+            f"{axis_name!r}: it is already identical on every device, so it was reduced before {reducer}, "
+            f"and reducing it again would scale it by the axis size. Either it comes from jax.grad of "
+            f"replicated (P()) parameters inside shard_map, which sums the gradient over the axis: take "
+            f"per-device gradients with hybrid.jax.local_grad(loss, {axis_name!r}) instead of jax.grad; or "
+            f"it was reduced on purpose (lax.pmean / lax.psum, or bucketed_all_reduce before zero): drop "
+            f"that reduction, {reducer} does it once")
+
+
+def check_state_per_device(state, axis_name, what: str) -> None:
+    """Raise if an array of a per-device state arrived replicated over ``axis_name`` (a ``P()`` spec).
+
+    A ZeRO shard or a bucket buffer holds this device's own numbers, so it varies over the axis
+    where JAX tracks that; replicated, it came in through an in_spec of ``P()``, and the step's
+    out_spec of ``P()`` would fail in JAX with a message that names no leaf.
+    """
+    if not isinstance(axis_name, str) or not tracks_varying(axis_name):
+        return
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if getattr(x, "ndim", 0) >= 1 and axis_name not in varying_axes(x):
+            raise ValueError(
+                f"{what}: state leaf {key_path_name(path)!r} is replicated over {axis_name!r} (a P() "
+                f"spec), but it holds this device's own part of the state (P({axis_name!r})): pass "
+                f"hybrid.jax.state_specs(tx, params, {axis_name!r}, axis_size=mesh.size) as the state's "
+                f"in_specs and out_specs in shard_map, for init and for the step")

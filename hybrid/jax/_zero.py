@@ -14,7 +14,9 @@ from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._elementwise import GLOBAL_DECISIONS, NON_ELEMENTWISE, check_exact_on_shards
 from hybrid.jax._elementwise import non_elementwise as _non_elementwise
-from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device
+from hybrid.jax._masks import Binder, bind, contains_masks
+from hybrid.jax._on_shards import on_shards
+from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device
 
 _TRUST_RATIO = ("{} scales each leaf by a trust ratio, ||param|| / ||update|| of that whole leaf; on a flat "
                 "shard it would be the ratio of the shard's norms. Use an elementwise optimizer (adamw) inside "
@@ -43,6 +45,21 @@ class ZeroState:
 
     inner: optax.OptState
     plan_fingerprint: str
+
+
+class _ShardKey(str):
+    """``ZeroState.plan_fingerprint``: the shard plan's fingerprint (compared and hashed as that
+    string), whose repr says what it is, since JAX prints it when a state spec tree differs."""
+
+    def __repr__(self):
+        return (f"{str.__repr__(self)} (zero's shard plan: bucket plan {self.bucket_plan!r} cut for "
+                f"axis_size={self.axis_size})")
+
+
+def shard_key(shards) -> str:
+    key = _ShardKey(shards.fingerprint())
+    key.bucket_plan, key.axis_size = shards.bucket_plan.fingerprint(), shards.world_size
+    return key
 
 
 def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
@@ -118,19 +135,28 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
             out.append(jax.lax.dynamic_slice_in_dim(flat, rank * size, size))
         return tuple(out)
 
+    masked = contains_masks(inner)
+
+    def flat_inner(tree, layout, shards, rank):
+        # Masks and labels are per leaf; on flat slices they become per element (see _masks).
+        return bind(inner, Binder(tree, layout, shards, rank)) if masked else inner
+
     def init_fn(params):
         n = axis_size(axis_name, "zero.init")
         layout = layout_of(params, "zero.init")
         shards = layout.shards(n)
-        param_shards = local_shards(layout, shards, params, jax.lax.axis_index(axis_name),
-                                    use_kernels(copy_backend))
-        return ZeroState(inner.init(param_shards), shards.fingerprint())
+        rank = jax.lax.axis_index(axis_name)
+        param_shards = local_shards(layout, shards, params, rank, use_kernels(copy_backend))
+        with on_shards(axis_name):
+            inner_state = flat_inner(params, layout, shards, rank).init(param_shards)
+        return ZeroState(inner_state, shard_key(shards))
 
     def update_fn(updates, state, params=None):
         if not isinstance(state, ZeroState):
             raise TypeError(f"zero.update: state must be the ZeroState from zero.init, got {type(state).__name__}")
         n = axis_size(axis_name, "zero.update")
         check_per_device(updates, axis_name, "zero.update")
+        check_state_per_device(state, axis_name, "zero.update")
         layout = layout_of(updates, "zero.update")
         shards = layout.shards(n)
         if shards.fingerprint() != state.plan_fingerprint:
@@ -152,7 +178,9 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
                 raise ValueError("zero.update: params and updates must be trees of the same names, "
                                  "shapes and dtypes")
             param_shards = local_shards(param_layout, shards, params, rank, cuda)
-        new_shards, inner_state = inner.update(tuple(grad_shards), state.inner, param_shards)
+        with on_shards(axis_name):
+            new_shards, inner_state = flat_inner(updates, layout, shards, rank).update(
+                tuple(grad_shards), state.inner, param_shards)
         out = {}
         for b, shard in enumerate(new_shards):
             full = _all_gather(shard, axis_name)

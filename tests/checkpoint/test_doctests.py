@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._write", "hybrid.checkpoint._manifest",
-           "hybrid.checkpoint._torch_save", "hybrid.checkpoint._torch_load", "hybrid.checkpoint.jax"]
+           "hybrid.checkpoint._torch_save", "hybrid.checkpoint._torch_load", "hybrid.checkpoint.jax",
+           "hybrid.checkpoint._optax_groups"]
 
 
 @pytest.mark.parametrize("name", MODULES)
