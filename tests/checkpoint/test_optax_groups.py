@@ -16,7 +16,7 @@ import torch
 from jax.sharding import Mesh, PartitionSpec as P
 
 import hybrid.jax as hj
-from hybrid.checkpoint import Checkpoint, CheckpointError, OptimizerInfo
+from hybrid.checkpoint import Checkpoint, CheckpointError
 from hybrid.checkpoint import jax as ckpt_jax
 from hybrid.checkpoint import torch as ckpt_torch
 
@@ -57,17 +57,6 @@ def _loss(params, x, y):
 def _zeros():
     return {"0": {"weight": jnp.zeros((4, 5)), "bias": jnp.zeros(4)},
             "2": {"weight": jnp.zeros((3, 4)), "bias": jnp.zeros(3)}}
-
-
-def _with_names(path, model, opt):
-    """The manifest with each group's parameter names, as hybrid's torch save records them."""
-    manifest = Checkpoint(path).manifest
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    groups = [dict(g, param_names=[name_of[id(p)] for p in pg["params"]])
-              for g, pg in zip(manifest.optimizer.hyperparameters["param_groups"], opt.param_groups)]
-    info = manifest.optimizer
-    return dataclasses.replace(manifest, optimizer=OptimizerInfo(info.name, info.slots, info.count,
-                                                                 {**info.hyperparameters, "param_groups": groups}))
 
 
 def _continue_unsharded(tx, params, state):
@@ -123,7 +112,7 @@ def test_torch_groups_continue_in_jax(tmp_path, case, where):
     cls, groups = GROUPS[case]
     model, opt = _torch_run(cls, groups)
     ckpt_torch.save(tmp_path / "t", model, opt, step=SAVED_STEPS, world_size=2)
-    tx = ckpt_jax.optax_from_manifest(_with_names(tmp_path / "t", model, opt), _zeros())
+    tx = ckpt_jax.optax_from_manifest(tmp_path / "t", _zeros())  # the groups' param_names as torch.save recorded them
     if where == "unsharded":
         params, state, _ = ckpt_jax.load(tmp_path / "t", _zeros(), tx.init(_zeros()), order=ORDER)
         params = _continue_unsharded(tx, params, state)
@@ -167,7 +156,7 @@ def test_groups_without_names_say_what_differs(tmp_path):
 def test_what_one_optax_state_cannot_hold(tmp_path, change, match):
     model, opt = _torch_run(torch.optim.AdamW, [("weight", dict(lr=0.01)), ("bias", dict(lr=0.01))])
     ckpt_torch.save(tmp_path / "t", model, opt, step=SAVED_STEPS)
-    manifest = _with_names(tmp_path / "t", model, opt)
+    manifest = Checkpoint(tmp_path / "t").manifest
     groups = manifest.optimizer.hyperparameters["param_groups"]
     info = dataclasses.replace(manifest.optimizer, hyperparameters={"param_groups": [groups[0], {**groups[1], **change}]})
     with pytest.raises(CheckpointError, match=match):
