@@ -9,6 +9,15 @@
   transforms, which also catches what depends on leaf boundaries or shapes (masks, factoring);
 - a probe that runs ``inner`` on a small flat input whole (axis of size 1) and split in two
   shards (axis of size 2), as ``zero`` would, and compares the updates.
+
+Masks and partitions (``optax.masked``, ``partition``) reached through chains are not refused:
+``zero`` rewrites them for its slices (``hybrid.jax._masks``); the probe runs the rewritten form.
+
+What no guard here can catch: a non-elementwise transform *before* ``zero`` in a chain,
+``optax.chain(optax.clip_by_global_norm(c), zero(inner, axis))``. ``zero`` sees only the
+gradients handed to its update: per device and varying over the axis whether or not a clip
+scaled them, and ``optax.chain`` gives it no view of the transforms before it. The docs
+(docs/jax.md, "The first mistake") and ``zero``'s docstring show the right chain instead.
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ def _optax_kind(fn) -> str | None:
 
 def _unwrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     # optax.with_extra_args_support wraps a plain transform's update in a closure over it.
-    cells = closure_cells(tx.update) if hasattr(tx.update, "__code__") else {}
-    if _optax_kind(tx.update) == "with_extra_args_support" and "tx" in cells:
+    update = getattr(tx, "update", None)
+    cells = closure_cells(update) if hasattr(update, "__code__") else {}
+    if _optax_kind(update) == "with_extra_args_support" and "tx" in cells:
         return _unwrap(cells["tx"])
     return tx
 
@@ -56,7 +57,7 @@ def _unwrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 def _parts(tx):
     """``(kind, cells)`` of an optax chain, named chain, masked or partition; ``(None, {})`` else."""
     tx = _unwrap(tx)
-    kind = _optax_kind(tx.update)
+    kind = _optax_kind(getattr(tx, "update", None))
     if kind in ("chain", "named_chain", *MASKING):
         cells = {**closure_cells(tx.init), **closure_cells(tx.update)}
         return kind, cells

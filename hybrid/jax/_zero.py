@@ -78,13 +78,22 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     ``axis_name`` is bound: ``jax.shard_map`` (state out_specs from :func:`hybrid.jax.state_specs`),
     ``jax.pmap``, or a multi-process mesh.
 
-    Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...) and for
-    :func:`hybrid.jax.clip_by_global_norm`. Known non-elementwise optax transforms
-    (``NON_ELEMENTWISE``: ``optax.clip_by_global_norm``, masks, trust ratios, factored
-    second moments ...), also inside ``inject_hyperparams``, ``MultiSteps`` and chains, raise a
-    ValueError unless ``check_elementwise=False``, as do ``optax.apply_if_finite`` (use
+    Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...), for
+    :func:`hybrid.jax.clip_by_global_norm`, and for weight-decay masks and param groups
+    (``optax.masked``, ``adamw(mask=...)``, ``add_decayed_weights(mask=...)``,
+    ``optax.partition`` / ``multi_transform``, in chains): ``zero`` rewrites them per element of
+    its flat slices (``hybrid.jax._masks``; a masked transform keeps state for the whole slice).
+    Known non-elementwise optax transforms (``NON_ELEMENTWISE``: ``optax.clip_by_global_norm``,
+    trust ratios, factored second moments ...), also inside ``inject_hyperparams``,
+    ``MultiSteps`` and chains, and masks behind such wrappers raise a ValueError unless
+    ``check_elementwise=False``, as do ``optax.apply_if_finite`` (use
     :func:`hybrid.jax.apply_if_finite`) and any transform that a small probe finds
     non-elementwise (see ``hybrid.jax._elementwise``).
+
+    The first mistake, which no check can see: clipping *before* ``zero``,
+    ``optax.chain(optax.clip_by_global_norm(c), zero(adamw, "dp"))``, clips each device's own
+    gradient (zero reduces after it). Clip inside:
+    ``zero(optax.chain(hybrid.jax.clip_by_global_norm(c, "dp"), adamw), "dp")``.
 
     Args:
       inner: any optax transform.
