@@ -64,10 +64,8 @@ class TorchMethods:
             return
         if self._iteration > 0:
             # torch also raises here (from its C++ reducer), though it has flipped its Python flag.
-            message = ("set_static_graph() should be called before training loop starts and "
-                       "after DistributedDataParallel is constructed.")
-            self._logged_error = message  # torch's Logger records it: has_error / error
-            raise RuntimeError(message)
+            raise RuntimeError("set_static_graph() should be called before training loop starts and "
+                               "after DistributedDataParallel is constructed.")
         self.static_graph = True
         self._layout_settings["static_graph"] = True
         if self.find_unused_parameters:
@@ -133,11 +131,6 @@ class TorchMethods:
             "rank": self._rank,
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._params),
             "world_size": self._world,
-            # torch logs the reducer's iteration count once runtime stats are sampled (from the first
-            # iteration on); its later sampling every 100 iterations is not mirrored.
-            **({"iteration": self._iteration} if self._iteration > 0 else {}),
-            **({"has_error": 1, "error": self._logged_error}
-               if getattr(self, "_logged_error", None) else {}),
         }
 
 
