@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 import hybrid.jax as hj
 from hybrid import kernels
+from hybrid.kernels import _build as kernels_build
 from hybrid.core import plan_buckets, shard_flat
 from _jax_model import CAPS, make_batch, make_params, shard_map_train
 
@@ -65,7 +66,7 @@ def spies(monkeypatch):
 def _pretend(monkeypatch, *, platform, library, env):
     # The two inputs of hybrid.kernels' "auto" rule, and the flag.
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
-    monkeypatch.setattr(kernels, "_library", lambda: object() if library else None)
+    monkeypatch.setattr(kernels_build, "_library", lambda: object() if library else None)
     if env is None:
         monkeypatch.delenv("HYBRID_KERNELS", raising=False)
     else:

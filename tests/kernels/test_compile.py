@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from hybrid import kernels
+from hybrid.kernels import _build, _jax
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile the CUDA kernels")
 
@@ -64,8 +65,8 @@ def test_jax_ffi_targets_register_and_lower_for_cuda(cuda_lib_path, monkeypatch,
     import jax.numpy as jnp
     from hybrid.core import TensorSpec, plan_buckets
     monkeypatch.setenv("HYBRID_KERNELS_LIB", str(cuda_lib_path))
-    kernels._library.cache_clear()
-    monkeypatch.setattr(kernels, "resolve_jax_backend", lambda backend: "cuda")
+    _build._library.cache_clear()
+    monkeypatch.setattr(_jax, "resolve_jax_backend", lambda backend: "cuda")
     try:
         plan = plan_buckets([TensorSpec("a", (3,), "float32"), TensorSpec("b", (2, 2), "float32")], alignment=4)
         gather = jax.jit(lambda xs: kernels.jax_gather(plan, 0, xs, scale=scale, out_dtype=out_dtype))
@@ -79,4 +80,4 @@ def test_jax_ffi_targets_register_and_lower_for_cuda(cuda_lib_path, monkeypatch,
         call = next(line for line in text.splitlines() if "custom_call @hybrid_scatter" in line)
         assert call.endswith("-> (tensor<3xf32>, tensor<2x2xf32>)")
     finally:
-        kernels._library.cache_clear()
+        _build._library.cache_clear()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybrid import kernels
+from hybrid.kernels import _build
 from hybrid.core import TensorSpec, plan_buckets
 
 pytestmark = [
@@ -26,10 +27,10 @@ def cuda_library(tmp_path_factory):
     path = kernels.build(tmp_path_factory.mktemp("gpu"))
     mp = pytest.MonkeyPatch()
     mp.setenv("HYBRID_KERNELS_LIB", str(path))
-    kernels._library.cache_clear()
+    _build._library.cache_clear()
     yield path
     mp.undo()
-    kernels._library.cache_clear()
+    _build._library.cache_clear()
 
 
 LAYOUTS = [[(3,), (0,), (5, 7), (1,), (64, 3), (1000,)], [(1,)] * 3000, [(1_000_003,), (7,), (4_000_000,)]]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybrid import kernels
+from hybrid.kernels import _torch as kernels_torch
 from hybrid.core import TensorSpec, pack, plan_buckets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -112,7 +113,7 @@ def _opcheck_inputs(dtype):
                                                     (torch.float32, torch.bfloat16, 0.5),
                                                     (torch.bfloat16, torch.float32, None)])
 def test_opcheck(dtype, out_dtype, scale):
-    gather_bucket, gather_bucket_, scatter_bucket_ = kernels._torch_ops()
+    gather_bucket, gather_bucket_, scatter_bucket_ = kernels_torch._torch_ops()
     tensors, offsets, length = _opcheck_inputs(dtype)
     torch.library.opcheck(gather_bucket, (tensors, offsets, length, scale, out_dtype))
     torch.library.opcheck(gather_bucket_, (tensors, torch.empty(length, dtype=out_dtype), offsets, scale))
@@ -121,7 +122,7 @@ def test_opcheck(dtype, out_dtype, scale):
 
 
 def test_gather_op_under_torch_compile():
-    gather_bucket, _, _ = kernels._torch_ops()
+    gather_bucket, _, _ = kernels_torch._torch_ops()
     tensors, offsets, length = _opcheck_inputs(torch.float32)
     compiled = torch.compile(lambda ts: gather_bucket(ts, offsets, length, 2.0, torch.float32), backend="eager",
                              fullgraph=True)
@@ -134,7 +135,7 @@ def test_gather_op_under_torch_compile():
 def test_plain_cpu_copies_match_core_pack_on_both_sides_of_the_threading_cut(monkeypatch, threaded_from, alignment):
     # Large tensors copy through torch (threaded), small ones through numpy: with the cut moved,
     # every member takes one branch or the other, gaps and padding still zeros, bit for bit.
-    monkeypatch.setattr(kernels, "_THREADED_COPY_NUMEL", threaded_from)
+    monkeypatch.setattr(kernels_torch, "_THREADED_COPY_NUMEL", threaded_from)
     plan, tensors = make(7, [(3,), (40,), (0,), (5, 7), (17,), (2, 33)], "float32", alignment)
     for b in range(len(plan.buckets)):
         out = torch.full((plan.buckets[b].length,), float("nan"))

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from hybrid import kernels
+from hybrid.kernels import _build as kernels_build
 from hybrid.torch import DistributedDataParallel as HybridDDP
 from hybrid.torch import _ddp
 
@@ -51,7 +52,7 @@ def process_group():
     ("cuda", "triton", True, ValueError),
 ])
 def test_copy_backend_decision(monkeypatch, device, env, built, expect):
-    monkeypatch.setattr(kernels, "_library", (lambda: object()) if built else (lambda: None))
+    monkeypatch.setattr(kernels_build, "_library", (lambda: object()) if built else (lambda: None))
     if env is None:
         monkeypatch.delenv("HYBRID_KERNELS", raising=False)
     else:
