@@ -115,7 +115,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models, 3 repetitions")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--project", action="store_true",
+                        help="no timing: project the CUDA kernels' time on an H100 from the plans' bytes and launches")
+    parser.add_argument("--tokens", type=int, default=8192, help="--project: tokens per GPU in the GPT-2 step")
+    parser.add_argument("--mfu", type=float, default=0.4, help="--project: the GPT-2 step's model FLOPs utilization")
+    parser.add_argument("--json", action="store_true", help="--project: print JSON")
     args = parser.parse_args(argv)
+    if args.project:
+        if args.tokens <= 0 or not 0 < args.mfu <= 1:
+            parser.error(f"--tokens must be positive and --mfu in (0, 1], got {args.tokens} and {args.mfu}")
+        from hybrid.bench import _pack_projection
+        specs = {name: [TensorSpec(f"p{i}", s, "float32") for i, s in enumerate(shapes)]
+                 for name, shapes in (("transformer", transformer_shapes()), ("2000 small", small_shapes()))}
+        return _pack_projection.main(specs, tokens=args.tokens, mfu=args.mfu, as_json=args.json)
     import torch
     from hybrid import kernels
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -20,6 +20,8 @@ KERNELS_DIR = Path(__file__).resolve().parent.parent.parent / "kernels"
 BUILD_DIR = KERNELS_DIR / "build"
 LIBRARY_NAME = "libhybrid_kernels.so"
 GENCODE = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90")
+# device-code flags shared by the library build and the resource inspection (same code, same registers)
+NVCC_FLAGS = ("-std=c++17", "-O3", "-diag-suppress", "940,2473")
 BACKENDS = ("auto", "cuda", "reference")
 
 
@@ -45,8 +47,8 @@ def build(build_dir: str | os.PathLike | None = None, *, host: bool = False) -> 
             raise RuntimeError("nvcc not found on PATH: cannot build the CUDA kernels")
         import jax.ffi  # only for the XLA FFI headers
         target = out / LIBRARY_NAME
-        cmd = [nvcc, "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC,-Wno-return-type",
-               "-diag-suppress", "940,2473", *GENCODE, "-I", jax.ffi.include_dir(),
+        cmd = [nvcc, *NVCC_FLAGS, "-shared", "-Xcompiler", "-fPIC,-Wno-return-type", *GENCODE,
+               "-I", jax.ffi.include_dir(),
                str(KERNELS_DIR / "batched_copy.cu"), "-o", str(target)]
     subprocess.run(cmd, check=True)
     return target
