@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from hybrid import _project_cli
 from hybrid._examples import EXAMPLES
 from hybrid._table import format_table, human_bytes
 from hybrid.core import (MiB, OPTIMIZER_STATE_COPIES, TensorSpec, itemsize, partition_params, plan_buckets,
@@ -65,6 +66,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "first); default from the first layer: Linear (2, in), Conv2d (2, in, 32, 32), "
                         "Embedding (2, 16)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _project_cli.add_arguments(p)
     return p
 
 
@@ -272,8 +274,12 @@ def run(args) -> int:
     report = build_report(label, specs, args)
     if args.compile:
         report["compile"] = compile_report(args, specs, tuple(report["size_limits"]))
+    if args.project:
+        report["projection"] = _project_cli.projection_report(specs, args)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_report(report)
+        if args.project:
+            _project_cli.print_projection(report["projection"])
     return 0

@@ -12,6 +12,7 @@ from hybrid.core._buckets import (
     plan_buckets,
     rebuild_plan,
 )
+from hybrid.core._cost import COLLECTIVES, NETWORKS, CostModel, Fit, Link, collective_seconds, exposed_seconds, wire_bytes
 from hybrid.core._dtypes import canonical_dtype, itemsize
 from hybrid.core._graph_split import GraphSplitPlan, merge_piece, plan_graph_split, split_size_limits
 from hybrid.core._memory import OPTIMIZER_STATE_COPIES, ZeroMemory, zero_memory
@@ -29,9 +30,11 @@ from hybrid.core._shard import (
 from hybrid.core._reshard import ReshardPlan, ShardCopy, reshard
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
 from hybrid.core._spec import TensorSpec
+from hybrid.core._step_cost import STAGES, StepCost, step_cost
 
 __all__ = [
-    "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB",
+    "COLLECTIVES", "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB", "NETWORKS", "STAGES",
+    "CostModel", "Fit", "Link", "StepCost", "collective_seconds", "exposed_seconds", "step_cost", "wire_bytes",
     "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GraphSplitPlan", "GroupRun", "MemberSlice",
     "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "ReshardPlan", "ShardCopy", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",

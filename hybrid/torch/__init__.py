@@ -1,5 +1,6 @@
 """torch frontend: drop-ins for torch's data-parallel classes, executing hybrid.core plans."""
 
+from hybrid.torch._cost_probe import measure_collectives
 from hybrid.torch._compile import SplitBackend, SplitReport, compile, split_reports
 from hybrid.torch._ddp import DistributedDataParallel
 from hybrid.torch._ddp import GradBucket
@@ -11,5 +12,5 @@ from hybrid.torch._zero_hooks import hook_with_zero_step
 from hybrid.torch._zero_hooks import hook_with_zero_step_interleaved
 
 __all__ = ["DistributedDataParallel", "GradBucket", "GradientInShards", "SplitBackend", "SplitReport", "ZeRO2",
-           "ZeroRedundancyOptimizer", "compile", "hook_with_zero_step", "hook_with_zero_step_interleaved", "specs",
+           "ZeroRedundancyOptimizer", "compile", "hook_with_zero_step", "hook_with_zero_step_interleaved", "measure_collectives", "specs",
            "split_reports"]

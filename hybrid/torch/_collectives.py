@@ -10,6 +10,11 @@ from typing import Any
 import torch.distributed as dist
 
 
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (FutureWarning) in favour of
+# the *_single spellings; older torch has only the former. Users must not see warnings from our calls.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _WHY = "failed (a peer died or stalled past the process group's timeout)"
 
 

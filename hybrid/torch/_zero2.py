@@ -24,14 +24,13 @@ from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
 from hybrid.torch._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch._zero2_grads import GradientInShards, clip_grad_norm_
-from hybrid.torch._zero2_state import ShardedState, _all_gather, _take
-from hybrid.torch._collectives import wait_all
+from hybrid.torch._zero2_state import ShardedState, _take
+from hybrid.torch._collectives import all_gather_into, reduce_scatter_into, wait_all
 from hybrid.torch._zero_parts import _refuse_sparse
 
 __all__ = ["ZeRO2"]
 
 # torch 2.13 renamed the flat collectives (the old names warn); older torch has only the old ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _ZeRO2JoinHook(JoinHook):
@@ -229,7 +228,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
             src[:buf.numel()].copy_(buf)
         src.div_(self.world_size)  # torch's allreduce_hook: divide, then sum
         out = torch.empty(self._grad_shards.shard_sizes[b], dtype=buf.dtype, device=buf.device)
-        fut = self._future_of(_reduce_scatter(out, src, group=self.process_group, async_op=True))
+        fut = self._future_of(reduce_scatter_into(out, src, group=self.process_group, async_op=True))
         # The bucket holds the local gradient now; the full tensor need not live on.
         self._stand_in_grads(bucket)
 
@@ -387,7 +386,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
             size = self._shards.shard_sizes[b]
             if self._flat_collectives:
                 works.append((f"ZeRO2.step: the all-gather of bucket {b}'s parameters",
-                              _all_gather(full, self._my_slice(b).clone(), group=self.process_group, async_op=True)))
+                              all_gather_into(full, self._my_slice(b).clone(), group=self.process_group, async_op=True)))
             else:
                 # gloo: one broadcast per rank straight into its slice beats gloo's all-gather.
                 works += [(f"ZeRO2.step: the broadcast of rank {r}'s slice of bucket {b}",

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core import BucketPlan, FlatShardPlan
+from hybrid.torch._collectives import all_gather_into
 
 # torch 2.13 renamed the flat collectives (the old names warn); older torch has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _take(shards: FlatShardPlan, b: int, rank: int, full: dict[int, torch.Tensor], *,
@@ -112,7 +112,7 @@ class ShardedState:
         out = {}
         for b, piece in enumerate(slices):
             full = torch.empty(shards.padded_length(b), dtype=piece.dtype, device=piece.device)
-            _all_gather(full, piece.contiguous(), group=self.process_group)
+            all_gather_into(full, piece.contiguous(), group=self.process_group)
             bucket = plan.buckets[b]
             for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
                 out[m] = full[o:o + n]

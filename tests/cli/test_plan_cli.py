@@ -153,3 +153,38 @@ def test_compile_lists_pieces_next_to_the_buckets(tmp_path):
 def test_compile_needs_a_torch_module():
     out = run_cli("--model", "gpt2-small", "--compile")
     assert out.returncode != 0 and "--module PKG.MOD:FACTORY or --model mlp" in out.stderr
+
+
+def test_project_json_rows_and_volumes(tmp_path):
+    from hybrid.core import COLLECTIVES, CostModel
+    samples = [(k, n, 1e-4 + n * 2e-9) for k in COLLECTIVES for n in (1 << 12, 1 << 20, 1 << 25)]
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps(CostModel.fit(samples, world_size=2, about={"backend": "gloo"}).to_json()))
+    out = run_cli("--model", "mlp", "--project", "--ranks", "8,64", "--cost", str(cost), "--json")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)["projection"]
+    assert len(p["rows"]) == 4 * 2 * 4  # (3 named networks + measured) x 2 world sizes x 4 stages
+    psi = sum(s.nbytes for s in EXAMPLES["mlp"]())
+    ddp8 = next(r for r in p["rows"] if (r["network"], r["ranks"], r["stage"]) == ("ib400", 8, "ddp"))
+    assert ddp8["bytes_sent_per_rank"] == pytest.approx(2 * 7 / 8 * psi)
+    z3 = next(r for r in p["rows"] if (r["network"], r["ranks"], r["stage"]) == ("ib400", 8, "zero3"))
+    assert z3["bytes_sent_per_rank"] == pytest.approx(1.5 * ddp8["bytes_sent_per_rank"])
+    assert all(0 <= r["exposed_s"] <= r["comm_s"] + 1e-12 for r in p["rows"])
+    assert "gloo at 2 ranks" in p["networks"]["measured"]
+
+
+@pytest.mark.parametrize("args,message", [(["--ranks", "0"], "--ranks must all be >= 1"),
+                                          (["--ranks", "8,x"], "--ranks wants comma-separated integers"),
+                                          (["--mfu", "1.5"], "--mfu must be in (0, 1]"),
+                                          (["--tokens", "0"], "--tokens must be > 0"),
+                                          (["--cost", "/nonexistent.json"], "not a readable CostModel")])
+def test_project_refuses_bad_options(args, message):
+    out = run_cli("--project", *args)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_project_prints_every_network():
+    out = run_cli("--project", "--ranks", "8")
+    assert out.returncode == 0, out.stderr
+    for name in ("NVLink-class", "400 Gb/s InfiniBand", "100 GbE", "exposed"):
+        assert name in out.stdout

@@ -1,0 +1,223 @@
+"""What collectives cost: the textbook latency-bandwidth (Hockney) model, fitted to measurements.
+
+A message of ``n`` bytes over one link costs ``alpha + n / bandwidth``. A collective over ``p``
+ranks is a number of such steps, by algorithm (Thakur, Rabenseifner and Gropp, "Optimization of
+collective communication operations in MPICH", 2005; NCCL's ring and tree):
+
+============== ============================== ==========================
+collective     ring                           tree
+============== ============================== ==========================
+all-reduce     2 (p-1) alpha + 2 (p-1)/p n/B   2 log2(p) alpha + 2 n/B
+reduce-scatter (p-1) alpha + (p-1)/p n/B       (ring only)
+all-gather     (p-1) alpha + (p-1)/p n/B       (ring only)
+broadcast      (p-1) alpha + n/B (pipelined)   log2(p) (alpha + n/B)
+============== ============================== ==========================
+
+``n`` is the full buffer (all-reduce, broadcast), the gathered output (all-gather) or the
+reduce-scatter input. A :class:`CostModel` holds, per collective, the line ``t = a + b n``
+measured over one process group: it predicts that group directly, and through the formulas
+(``alpha = a / steps``, ``1/B = b / volume``) projects the same link to other world sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from hybrid.core._fingerprint import fingerprint_of
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+ALGORITHMS = ("ring", "tree")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link:
+    """A network as the model sees it: per-message latency and per-rank bandwidth."""
+
+    name: str
+    latency_s: float
+    bytes_per_s: float
+
+    def __post_init__(self):
+        if not (self.latency_s >= 0 and self.bytes_per_s > 0):
+            raise ValueError(f"link {self.name!r} needs latency >= 0 and bandwidth > 0, "
+                             f"got {self.latency_s} s and {self.bytes_per_s} B/s")
+
+
+# Named networks for projections (stated assumptions, per rank, one direction):
+# NVLink-class: H100 NVLink 4 (450 GB/s per direction, ~370 GB/s reached by NCCL), ~3 us;
+# 400 Gb/s InfiniBand (NDR, 50 GB/s, ~45 reached), ~5 us across a switch;
+# 100 GbE (12.5 GB/s, ~11 reached over RoCE/TCP), ~25 us.
+NETWORKS = {
+    "nvlink": Link("NVLink-class (370 GB/s, 3 us)", 3e-6, 370e9),
+    "ib400": Link("400 Gb/s InfiniBand (45 GB/s, 5 us)", 5e-6, 45e9),
+    "eth100": Link("100 GbE (11 GB/s, 25 us)", 25e-6, 11e9),
+}
+
+
+def _steps_and_volume(kind: str, world_size: int, algorithm: str) -> tuple[float, float]:
+    """``(latency steps, bandwidth factor)``: the collective costs ``steps * alpha + factor * n / B``."""
+    p = world_size
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {ALGORITHMS}")
+    if p == 1:
+        return 0.0, 0.0
+    log_p = math.ceil(math.log2(p))
+    if kind == "all_reduce":
+        return (2 * log_p, 2.0) if algorithm == "tree" else (2 * (p - 1), 2 * (p - 1) / p)
+    if kind == "broadcast":
+        return (log_p, log_p) if algorithm == "tree" else (p - 1, 1.0)
+    return p - 1, (p - 1) / p  # reduce-scatter and all-gather: ring
+
+
+def collective_seconds(kind: str, nbytes: float, world_size: int, link: Link, algorithm: str | None = None) -> float:
+    """Time of one collective on ``link``; ``algorithm=None`` takes the faster of ring and tree,
+    as NCCL's tuner does.
+
+    >>> link = Link("test", 1e-5, 1e9)
+    >>> round(collective_seconds("all_reduce", 1e6, 4, link, "ring") * 1e6)  # 6 alpha + 1.5 n / B
+    1560
+    >>> collective_seconds("all_reduce", 1e6, 1, link)
+    0.0
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    options = ALGORITHMS if algorithm is None else (algorithm,)
+    best = math.inf
+    for a in options:
+        steps, factor = _steps_and_volume(kind, world_size, a)
+        best = min(best, steps * link.latency_s + factor * nbytes / link.bytes_per_s)
+    return best
+
+
+def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in one ring collective (a broadcast: the average over ranks).
+
+    >>> wire_bytes("all_reduce", 100, 4)
+    150.0
+    """
+    return _steps_and_volume(kind, world_size, "ring")[1] * nbytes if kind != "broadcast" else (
+        nbytes * (world_size - 1) / world_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fit:
+    """``seconds = intercept_s + seconds_per_byte * nbytes`` for one collective, measured."""
+
+    intercept_s: float
+    seconds_per_byte: float
+    max_rel_error: float  # of the fit on its own samples
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CostModel:
+    """Measured costs of the collectives of one process group (or mesh axis).
+
+    Build one with :meth:`fit` from ``(collective, nbytes, seconds)`` samples; ``about`` records
+    what it holds for (backend, world size, versions, host), so a cache is used only where it
+    is true.
+
+    >>> samples = [(k, n, 1e-4 + n * 1e-9) for k in COLLECTIVES for n in (1 << 10, 1 << 20, 1 << 24)]
+    >>> model = CostModel.fit(samples, world_size=2, about={"backend": "gloo"})
+    >>> round(model.seconds("all_reduce", 4 << 20) * 1e3, 3)
+    4.294
+    >>> round(model.link("all_reduce").latency_s * 1e6, 3)  # two ring steps at two ranks share the intercept
+    50.0
+    """
+
+    world_size: int
+    fits: dict  # collective -> Fit
+    about: dict = dataclasses.field(default_factory=dict)
+    algorithm: str = "ring"
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[str, int, float]], *, world_size: int, about: dict | None = None,
+            algorithm: str = "ring") -> "CostModel":
+        """Least-squares lines through the samples of each collective, weighted by 1/time (so the
+        small messages, where latency dominates, count as much as the big ones)."""
+        by_kind: dict[str, list[tuple[int, float]]] = {}
+        for kind, nbytes, seconds in samples:
+            if kind not in COLLECTIVES:
+                raise ValueError(f"unknown collective {kind!r} in the samples")
+            by_kind.setdefault(kind, []).append((int(nbytes), float(seconds)))
+        fits = {}
+        for kind, rows in sorted(by_kind.items()):
+            n = np.array([r[0] for r in rows], float)
+            t = np.array([r[1] for r in rows], float)
+            if len(set(n)) < 2:
+                raise ValueError(f"{kind}: a line needs samples at two sizes or more, got sizes {sorted(set(n))}")
+            w = 1.0 / np.maximum(t, 1e-12)
+            coef, *_ = np.linalg.lstsq(np.stack([w, w * n], 1), w * t, rcond=None)
+            a, b = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
+            err = float(np.max(np.abs(a + b * n - t) / t))
+            fits[kind] = Fit(a, b, err)
+        return cls(world_size, fits, dict(about or {}), algorithm)
+
+    def seconds(self, kind: str, nbytes: float) -> float:
+        """Predicted time of one collective of ``nbytes`` over the measured group."""
+        if self.world_size == 1:
+            return 0.0
+        f = self.fits.get(kind)
+        if f is None:
+            raise KeyError(f"the cost model measured {sorted(self.fits)}, not {kind!r}")
+        return f.intercept_s + f.seconds_per_byte * nbytes
+
+    def link(self, kind: str = "all_reduce") -> Link:
+        """The measured line as a :class:`Link`, through ``kind``'s formula at the measured size."""
+        f = self.fits[kind]
+        steps, factor = _steps_and_volume(kind, self.world_size, self.algorithm)
+        if steps == 0:
+            raise ValueError("a world of one rank measures no link")
+        latency = f.intercept_s / steps
+        bandwidth = factor / f.seconds_per_byte if f.seconds_per_byte > 0 else math.inf
+        return Link(f"measured {self.about.get('backend', '')} {kind} at {self.world_size} ranks".replace("  ", " "),
+                    latency, bandwidth)
+
+    def to_json(self) -> dict:
+        return {"kind": "CostModel", "world_size": self.world_size, "algorithm": self.algorithm, "about": self.about,
+                "fits": {k: dataclasses.asdict(f) for k, f in self.fits.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict | str) -> "CostModel":
+        if isinstance(d, str):
+            d = json.loads(d)
+        if d.get("kind") != "CostModel":
+            raise ValueError(f"not a CostModel JSON object (kind={d.get('kind')!r})")
+        return cls(d["world_size"], {k: Fit(**f) for k, f in d["fits"].items()}, d.get("about", {}),
+                   d.get("algorithm", "ring"))
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.to_json())
+
+
+def exposed_seconds(compute: Sequence[tuple[str, float, Sequence[str]]],
+                    comm: Sequence[tuple[str, float, Sequence[str]]]) -> tuple[float, float]:
+    """Run two streams, compute and communication, each in its own issue order; a task starts
+    when its stream is free and the tasks it names are done. Returns ``(end, exposed)``: when
+    the last task ends, and how much of that is communication the compute did not hide.
+
+    >>> exposed_seconds([("b0", 1.0, ()), ("b1", 1.0, ())], [("r0", 1.5, ("b0",)), ("r1", 0.5, ("b1",))])
+    (3.0, 1.0)
+    """
+    done: dict[str, float] = {}
+    queues = [list(compute), list(comm)]
+    free = [0.0, 0.0]
+    while queues[0] or queues[1]:
+        progressed = False
+        for s, queue in enumerate(queues):
+            while queue and all(d in done for d in queue[0][2]):
+                name, seconds, deps = queue.pop(0)
+                start = max([free[s], *(done[d] for d in deps)])
+                free[s] = done[name] = start + seconds
+                progressed = True
+        if not progressed:
+            waiting = [q[0][0] for q in queues if q]
+            raise ValueError(f"the tasks wait on each other or on unknown names: {waiting}")
+    end = max(free)
+    return end, end - sum(t[1] for t in compute)

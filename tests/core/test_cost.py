@@ -1,0 +1,108 @@
+"""The collective cost model and the step simulation (hybrid.core._cost, _step_cost), against
+the textbook formulas worked by hand."""
+
+import math
+
+import pytest
+
+from hybrid.core import (COLLECTIVES, CostModel, Link, STAGES, TensorSpec, collective_seconds, exposed_seconds,
+                         plan_buckets, step_cost, wire_bytes)
+
+LINK = Link("test", 1e-5, 1e9)  # 10 us, 1 GB/s
+
+
+@pytest.mark.parametrize("kind,algorithm,p,n,want", [
+    ("all_reduce", "ring", 4, 1e6, 6 * 1e-5 + 1.5 * 1e-3),
+    ("all_reduce", "tree", 4, 1e6, 4 * 1e-5 + 2 * 1e-3),
+    ("all_reduce", "tree", 5, 1e6, 6 * 1e-5 + 2 * 1e-3),  # ceil(log2 5) = 3 levels
+    ("reduce_scatter", "ring", 8, 8e6, 7 * 1e-5 + 7e-3),
+    ("all_gather", "tree", 8, 8e6, 7 * 1e-5 + 7e-3),  # no tree: ring
+    ("broadcast", "ring", 4, 1e6, 3 * 1e-5 + 1e-3),
+    ("broadcast", "tree", 4, 1e6, 2 * (1e-5 + 1e-3)),
+    ("all_reduce", "ring", 1, 1e9, 0.0),
+])
+def test_formulas(kind, algorithm, p, n, want):
+    assert collective_seconds(kind, n, p, LINK, algorithm) == pytest.approx(want, rel=1e-12)
+
+
+def test_default_algorithm_is_the_faster():
+    small, big = 1e3, 1e9  # latency-bound: the tree's log steps win; bandwidth-bound: the ring's (p-1)/p
+    assert collective_seconds("all_reduce", small, 64, LINK) == collective_seconds("all_reduce", small, 64, LINK, "tree")
+    assert collective_seconds("all_reduce", big, 64, LINK) == collective_seconds("all_reduce", big, 64, LINK, "ring")
+
+
+def test_wire_bytes():
+    assert wire_bytes("all_reduce", 100, 4) == 150
+    assert wire_bytes("reduce_scatter", 100, 4) == wire_bytes("all_gather", 100, 4) == 75
+    assert wire_bytes("broadcast", 100, 4) == 75
+
+
+def test_fit_recovers_the_constants_through_the_formulas():
+    p, link = 3, Link("true", 2e-5, 5e8)
+    samples = [(k, n, collective_seconds(k, n, p, link, "ring")) for k in COLLECTIVES for n in (1 << 10, 1 << 20, 1 << 26)]
+    model = CostModel.fit(samples, world_size=p, about={"backend": "gloo"})
+    for kind in COLLECTIVES:
+        got = model.link(kind)
+        assert got.latency_s == pytest.approx(2e-5, rel=1e-6) and got.bytes_per_s == pytest.approx(5e8, rel=1e-6)
+        assert model.fits[kind].max_rel_error < 1e-9
+        assert model.seconds(kind, 12345) == pytest.approx(collective_seconds(kind, 12345, p, link, "ring"), rel=1e-6)
+    again = CostModel.from_json(model.to_json())
+    assert again == model and again.fingerprint() == model.fingerprint()
+
+
+def test_fit_refuses_what_cannot_make_a_line():
+    with pytest.raises(ValueError, match="two sizes"):
+        CostModel.fit([("all_reduce", 1024, 1e-4), ("all_reduce", 1024, 2e-4)], world_size=2)
+    with pytest.raises(ValueError, match="unknown collective 'alltoall'"):
+        CostModel.fit([("alltoall", 1024, 1e-4)], world_size=2)
+    with pytest.raises(ValueError, match="not a CostModel"):
+        CostModel.from_json({"kind": "BucketPlan"})
+
+
+def test_exposed_seconds_waits_on_dependencies_and_names_a_cycle():
+    end, exposed = exposed_seconds([("f", 1.0, ()), ("b", 1.0, ("g",))], [("g", 0.5, ("f",))])
+    assert (end, exposed) == (2.5, 0.5)  # b waits for the gather: half a second of compute idles
+    with pytest.raises(ValueError, match=r"\['a', 'x'\]"):
+        exposed_seconds([("a", 1.0, ("x",))], [("x", 1.0, ("a",))])
+
+
+SPECS = [TensorSpec(f"w{i}", (512, 512), "float32") for i in range(24)]
+
+
+@pytest.mark.parametrize("p", [2, 8, 64])
+def test_step_volumes_follow_the_zero_paper(p):
+    plan = plan_buckets(SPECS)
+    cost = {s: step_cost(plan, p, s, lambda k, n: collective_seconds(k, n, p, LINK), forward_s=0.0, backward_s=0.0)
+            for s in STAGES}
+    psi = sum(b.nbytes for b in plan.buckets)
+    assert cost["ddp"].wire_bytes == pytest.approx(2 * (p - 1) / p * psi)
+    assert cost[2].wire_bytes == pytest.approx(cost["ddp"].wire_bytes)  # reduce-scatter + all-gather
+    assert cost[3].wire_bytes == pytest.approx(1.5 * cost["ddp"].wire_bytes)
+    assert cost[1].wire_bytes == pytest.approx(1.5 * cost["ddp"].wire_bytes)  # all-reduce + broadcast of shares
+    for c in cost.values():  # no compute to hide behind: every second on the wire shows
+        assert c.exposed_s == pytest.approx(c.comm_s)
+
+
+def test_overlap_hides_all_but_the_last_bucket():
+    plan = plan_buckets(SPECS)
+    per_bucket = 1e-4
+    c = step_cost(plan, 4, "ddp", lambda k, n: per_bucket, forward_s=1.0, backward_s=2.0)
+    assert c.comm_s == pytest.approx(plan.num_buckets * per_bucket)
+    assert c.exposed_s == pytest.approx(per_bucket)  # only the last all-reduce runs after the backward
+    assert c.step_s == pytest.approx(3.0 + per_bucket)
+
+
+def test_zero3_keeps_compute_waiting_for_the_first_gather():
+    plan = plan_buckets(SPECS)
+    c = step_cost(plan, 4, 3, lambda k, n: 1e-3, forward_s=1.0, backward_s=2.0)
+    assert c.exposed_s >= 2e-3  # the first forward gather and the last reduce-scatter cannot hide
+    keep = step_cost(plan, 4, 3, lambda k, n: 1e-3, forward_s=1.0, backward_s=2.0, reshard_after_forward=False)
+    assert keep.wire_bytes < c.wire_bytes and math.isclose(keep.comm_s, c.comm_s - plan.num_buckets * 1e-3)
+
+
+def test_step_cost_refuses_bad_input():
+    plan = plan_buckets(SPECS)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        step_cost(plan, 2, 4, lambda k, n: 0.0, forward_s=0.0, backward_s=0.0)
+    with pytest.raises(ValueError, match="compute times"):
+        step_cost(plan, 2, "ddp", lambda k, n: 0.0, forward_s=-1.0, backward_s=0.0)
