@@ -31,6 +31,9 @@ import numpy as np
 from hybrid.core._fingerprint import fingerprint_of
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+# What the frontends' measure_collectives time by default: 4 KiB to 32 MiB, from latency-bound to
+# bandwidth-bound, dense where buckets fall (torch's caps are 1 and 25 MiB).
+PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 25)
 ALGORITHMS = ("ring", "tree")
 
 
@@ -108,11 +111,30 @@ def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Fit:
-    """``seconds = intercept_s + seconds_per_byte * nbytes`` for one collective, measured."""
+    """One collective, measured: the medians per size, and the line ``intercept_s +
+    seconds_per_byte * nbytes`` through them (what the formulas turn into alpha and B)."""
 
     intercept_s: float
     seconds_per_byte: float
-    max_rel_error: float  # of the fit on its own samples
+    max_rel_error: float  # of the line on the measured medians
+    sizes: tuple = ()  # measured sizes in bytes, ascending
+    medians: tuple = ()  # seconds, median over the samples of each size
+
+    def seconds(self, nbytes: float) -> float:
+        """Between measured sizes, the measured medians interpolated; beyond the largest, the last
+        two medians' slope; below the smallest, its time (the latency floor).
+
+        A process group on one machine is not one line: a loopback all-reduce runs at cache speed
+        below the last-level cache and at memory speed above it (on this project's 2-core VMs the
+        slope changes about 3x between 1 and 8 MiB), so a single line misses bucket-sized messages
+        by more than the 20% this model is held to.
+        """
+        if len(self.sizes) < 2:
+            return self.intercept_s + self.seconds_per_byte * nbytes
+        n, t = self.sizes, self.medians
+        if nbytes > n[-1]:
+            return t[-1] + (t[-1] - t[-2]) / (n[-1] - n[-2]) * (nbytes - n[-1])
+        return float(np.interp(nbytes, n, t))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,15 +170,16 @@ class CostModel:
             by_kind.setdefault(kind, []).append((int(nbytes), float(seconds)))
         fits = {}
         for kind, rows in sorted(by_kind.items()):
-            n = np.array([r[0] for r in rows], float)
-            t = np.array([r[1] for r in rows], float)
-            if len(set(n)) < 2:
-                raise ValueError(f"{kind}: a line needs samples at two sizes or more, got sizes {sorted(set(n))}")
+            sizes = sorted({r[0] for r in rows})
+            if len(sizes) < 2:
+                raise ValueError(f"{kind}: a line needs samples at two sizes or more, got sizes {sizes}")
+            medians = [float(np.median([t for n, t in rows if n == size])) for size in sizes]
+            n, t = np.array(sizes, float), np.array(medians, float)
             w = 1.0 / np.maximum(t, 1e-12)
             coef, *_ = np.linalg.lstsq(np.stack([w, w * n], 1), w * t, rcond=None)
             a, b = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
             err = float(np.max(np.abs(a + b * n - t) / t))
-            fits[kind] = Fit(a, b, err)
+            fits[kind] = Fit(a, b, err, tuple(sizes), tuple(medians))
         return cls(world_size, fits, dict(about or {}), algorithm)
 
     def seconds(self, kind: str, nbytes: float) -> float:
@@ -166,7 +189,7 @@ class CostModel:
         f = self.fits.get(kind)
         if f is None:
             raise KeyError(f"the cost model measured {sorted(self.fits)}, not {kind!r}")
-        return f.intercept_s + f.seconds_per_byte * nbytes
+        return f.seconds(nbytes)
 
     def link(self, kind: str = "all_reduce") -> Link:
         """The measured line as a :class:`Link`, through ``kind``'s formula at the measured size."""
@@ -189,7 +212,9 @@ class CostModel:
             d = json.loads(d)
         if d.get("kind") != "CostModel":
             raise ValueError(f"not a CostModel JSON object (kind={d.get('kind')!r})")
-        return cls(d["world_size"], {k: Fit(**f) for k, f in d["fits"].items()}, d.get("about", {}),
+        fits = {k: Fit(**{**f, "sizes": tuple(f.get("sizes", ())), "medians": tuple(f.get("medians", ()))})
+                for k, f in d["fits"].items()}
+        return cls(d["world_size"], fits, d.get("about", {}),
                    d.get("algorithm", "ring"))
 
     def fingerprint(self) -> str:

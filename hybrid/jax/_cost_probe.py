@@ -17,8 +17,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hybrid.core import CostModel
-
-DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
+from hybrid.core._cost import PROBE_SIZES
 
 
 def _collective(kind: str, axis_name: str):
@@ -34,7 +33,7 @@ def _collective(kind: str, axis_name: str):
     return body
 
 
-def measure_collectives(mesh, axis_name: str, *, sizes=DEFAULT_SIZES, reps: int = 5) -> CostModel:
+def measure_collectives(mesh, axis_name: str, *, sizes=PROBE_SIZES, reps: int = 5) -> CostModel:
     """The cost model of ``mesh``'s axis ``axis_name``: all-reduce, reduce-scatter, all-gather and
     broadcast at ``sizes`` bytes (the full buffer; an all-gather's output), medians of ``reps``.
 

@@ -20,11 +20,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core import CostModel
+from hybrid.core._cost import PROBE_SIZES
 from hybrid.core._fingerprint import fingerprint_of
 from hybrid.torch._collectives import all_gather_into, naming, reduce_scatter_into
-
-# 4 KiB to 32 MiB: from latency-bound to bandwidth-bound on gloo over loopback and on NCCL.
-DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 
 
 def cache_dir() -> Path:
@@ -64,7 +62,7 @@ def _time_collectives(sizes, reps: int, group, device) -> list[tuple[str, int, f
     return rows
 
 
-def measure_collectives(process_group=None, *, sizes=DEFAULT_SIZES, reps: int = 5, cache: bool = True) -> CostModel:
+def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5, cache: bool = True) -> CostModel:
     """The cost model of ``process_group`` (default: the world), measured or from the cache.
 
     Call it on every rank of the group, like a collective. With ``cache=True`` a model measured

@@ -106,3 +106,16 @@ def test_step_cost_refuses_bad_input():
         step_cost(plan, 2, 4, lambda k, n: 0.0, forward_s=0.0, backward_s=0.0)
     with pytest.raises(ValueError, match="compute times"):
         step_cost(plan, 2, "ddp", lambda k, n: 0.0, forward_s=-1.0, backward_s=0.0)
+
+
+def test_measured_group_is_interpolated_through_its_knee():
+    # a loopback group: cache speed up to 1 MiB, three times slower per byte past it
+    def t(n):
+        return 1e-4 + n * 1e-9 if n <= 1 << 20 else 1e-4 + (1 << 20) * 1e-9 + (n - (1 << 20)) * 3e-9
+    sizes = (1 << 12, 1 << 20, 1 << 23, 1 << 25)
+    model = CostModel.fit([("all_reduce", n, t(n)) for n in sizes for _ in range(3)], world_size=2)
+    for n in (1 << 12, 3 << 19, 1 << 22, 5 << 23, 1 << 26):
+        assert model.seconds("all_reduce", n) == pytest.approx(t(n), rel=1e-9)
+    assert model.seconds("all_reduce", 10) == pytest.approx(t(1 << 12))  # the latency floor
+    assert model.fits["all_reduce"].max_rel_error > 0.2  # what one line would have missed by
+    assert CostModel.from_json(model.to_json()) == model
