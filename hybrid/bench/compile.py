@@ -11,11 +11,13 @@ gradient reduction), rank 0's times:
 The first step of each variant is its compile time (plus one step), printed apart (after a
 throwaway compile warms dynamo; kernels inductor compiled for one variant are reused by the next
 within the process, so the first variant's figure still holds more of that cost), with the
-number of graphs dynamo captured for it. Every variant compiles its own graphs: dynamo matches
+number of graphs dynamo captured for it and of frames its callback converted (``counters["frames"]
+["total"]``: frames traced, and frames looked at once and skipped). Every variant compiles its own graphs: dynamo matches
 cache entries by backend, and the model is a class of this file, because under torch's DDP (and,
 before ``hybrid.torch._compile._own_code``, under hybrid's with ``optimize_ddp`` off) a bare
 ``nn.Sequential`` ran eagerly: dynamo skips top-level ``torch.nn`` frames. Frames converted
-during the timed steps are counted and printed: 0 means no recompilation.
+during the timed steps are counted and printed: 0 means no recompilation. ``split`` is stepped a
+second time in every round (``split'``, right after ``whole``) for the A/A row of the ratio table.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hybrid.bench._stats import paired_ratio
+from hybrid._table import format_table
+from hybrid.bench._stats import Ratio, ratio_table
 
 _MB = 1 << 20
 
@@ -69,6 +72,8 @@ def _worker(rank, world, port, outdir, args):
            "whole": torch.compile(mods["whole"], backend=args.backend),
            "eager": mods["eager"],
            "torch": torch.compile(mods["torch"], backend=args.backend)}
+    # The A/A reference: split stepped again, right after whole as whole is after split.
+    order = ("split", "whole", "split'", "eager", "torch")
 
     def step(k):
         if k == "whole":
@@ -81,10 +86,11 @@ def _worker(rank, world, port, outdir, args):
     # variant's first step does not pay it for all four.
     torch.compile(_MLP(args.width, 1), backend=args.backend)(x).sum().backward()
     from torch._dynamo.utils import counters
-    times = {k: [] for k in run}
-    first, graphs, frames = {}, {}, 0
+    times = {k: [] for k in order}
+    first, graphs, first_frames, frames = {}, {}, {}, 0
     for it in range(args.reps + 3):  # the first step compiles, the second rebuilds buckets
-        for k in run:
+        for name in order:
+            k = name.rstrip("'")
             for p in mods[k].parameters():
                 p.grad = None
             dist.barrier()
@@ -92,15 +98,17 @@ def _worker(rank, world, port, outdir, args):
             t0 = time.perf_counter()
             step(k)
             dt = time.perf_counter() - t0
-            if it == 0:
+            if it == 0 and k == name:
                 first[k], graphs[k] = dt, counters["stats"]["unique_graphs"] - before[0]
+                first_frames[k] = counters["frames"]["total"] - before[1]
             elif it >= 3:
-                times[k].append(dt)
+                times[name].append(dt)
                 frames += counters["frames"]["total"] - before[1]
     from hybrid.torch import split_reports
     pieces = split_reports(mods["split"])[0].num_pieces
     if rank == 0:
-        torch.save({"times": times, "first": first, "graphs": graphs, "frames": frames, "pieces": pieces,
+        torch.save({"times": times, "first": first, "graphs": graphs, "first_frames": first_frames, "frames": frames,
+                    "pieces": pieces,
                     "buckets": mods["split"].bucket_plan.num_buckets,
                     "params": sum(p.numel() for p in base.parameters())}, os.path.join(outdir, "res.pt"))
     dist.barrier()
@@ -126,14 +134,20 @@ def main(argv: list[str]) -> int:
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_compile_")
     mp.spawn(_worker, args=(2, port, outdir, args), nprocs=2, join=True)
     res = torch.load(os.path.join(outdir, "res.pt"))
-    t, med = res["times"], {k: statistics.median(v) for k, v in res["times"].items()}
     print(f"world size 2, gloo, backend {args.backend}, MLP {args.depth}x{args.width} ({res['params']} params), "
           f"cap {args.bucket_cap_mb} MiB: {res['pieces']} pieces, {res['buckets']} buckets; "
           f"medians of {args.reps} interleaved steps, rank 0")
-    print(f"{'variant':<8} {'step ms':>9} {'first step (compile) s':>23} {'graphs captured':>16}")
-    for k in t:
-        print(f"{k:<8} {med[k] * 1e3:>9.2f} {res['first'][k]:>23.2f} {res['graphs'][k]:>16}")
-    print(f"frames converted during the timed steps (recompiles): {res['frames']}")
-    print(f"paired ratios: split/whole {paired_ratio(t['split'], t['whole']):.3f}  "
-          f"split/eager {paired_ratio(t['split'], t['eager']):.3f}  split/torch {paired_ratio(t['split'], t['torch']):.3f}")
+    print(report(res))
     return 0
+
+
+def report(res: dict) -> str:
+    """Step medians, first steps and graphs per variant, recompiles, and the ratio table."""
+    t = res["times"]
+    rows = [[k, round(statistics.median(t[k]) * 1e3, 2), round(res["first"][k], 2), res["graphs"][k],
+             res["first_frames"][k]] for k in res["first"]]
+    ratios = [Ratio("split", other, t["split"], t[other]) for other in ("whole", "eager", "torch")]
+    return "\n".join([format_table(["variant", "step ms", "first step (compile) s", "graphs captured",
+                                     "frames converted"], rows),
+                      f"frames converted during the timed steps (recompiles): {res['frames']}", "",
+                      ratio_table({"step": (ratios, Ratio("split'", "split", t["split'"], t["split"]))})])

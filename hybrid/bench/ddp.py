@@ -8,10 +8,10 @@ interleaved A, B, C, A, B, C, ... so drift hits all of them alike:
 - ``hybrid``:     hybrid.torch.DistributedDataParallel (buckets from hybrid.core, Python hooks);
 - ``per_tensor``: the plain module, then one blocking ``all_reduce`` per gradient (no buckets).
 
-Medians over ``--reps`` repetitions (after warm-up, which includes hybrid's bucket rebuild) are
-printed with the ratios hybrid/torch and per_tensor/hybrid, and the median of the per-repetition
-ratios hybrid/torch (each pair of steps taken back to back, so slow drift of a shared machine
-cancels).
+torch's step is timed a second time in every repetition (``torch'``, right after hybrid's), for the
+A/A row: the same path against itself, what noise alone does to a ratio. Medians over ``--reps``
+repetitions (after warm-up, which includes hybrid's bucket rebuild) are printed, then the ratios
+hybrid/torch and per_tensor/hybrid with the A/A row and a legend (``hybrid.bench._stats``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hybrid.bench._stats import paired_ratio
+from hybrid._table import format_table
+from hybrid.bench._stats import Ratio, ratio_table
 
 
 def _big_mlp(width: int, depth: int) -> nn.Module:
@@ -74,8 +75,11 @@ def _worker(rank, world, port, outdir, quick, reps):
                 p.grad.div_(world)
 
         steps = {k: (lambda m=m: m(x).sum().backward()) for k, m in variants.items()}
+        # The A/A reference: torch's step again, right after hybrid's as hybrid's is after torch's.
+        steps["torch'"] = steps["torch"]
         steps["per_tensor"] = per_tensor_step
         mods = dict(variants, per_tensor=plain)
+        mods["torch'"] = mods["torch"]
         times = {k: [] for k in steps}
         for it in range(reps + 3):  # 3 warm-up steps: the first builds and rebuilds buckets
             for k, step in steps.items():
@@ -89,9 +93,7 @@ def _worker(rank, world, port, outdir, quick, reps):
                     times[k].append(dt)
         n_params = sum(p.numel() for p in plain.parameters())
         n_tensors = len(list(plain.parameters()))
-        rows.append((name, n_params, n_tensors, {k: statistics.median(v) for k, v in times.items()},
-                     variants["hybrid"].bucket_plan.num_buckets,
-                     paired_ratio(times["hybrid"], times["torch"])))
+        rows.append((name, n_params, n_tensors, times, variants["hybrid"].bucket_plan.num_buckets))
     if rank == 0:
         torch.save(rows, os.path.join(outdir, "rows.pt"))
     dist.barrier()
@@ -111,10 +113,17 @@ def main(argv: list[str]) -> int:
     mp.spawn(_worker, args=(2, port, outdir, args.quick, reps), nprocs=2, join=True)
     rows = torch.load(os.path.join(outdir, "rows.pt"))
     print(f"world size 2, gloo, medians of {reps} interleaved steps (forward+backward+reduction), rank 0")
-    print(f"{'model':<12} {'params':>10} {'tensors':>7} {'buckets':>7} {'torch ms':>9} {'hybrid ms':>9} "
-          f"{'per-tensor ms':>13} {'hybrid/torch':>12} {'paired h/t':>10} {'per-tensor/hybrid':>17}")
-    for name, n, k, t, nb, paired in rows:
-        print(f"{name:<12} {n:>10} {k:>7} {nb:>7} {t['torch'] * 1e3:>9.2f} {t['hybrid'] * 1e3:>9.2f} "
-              f"{t['per_tensor'] * 1e3:>13.2f} {t['hybrid'] / t['torch']:>12.3f} {paired:>10.3f} "
-              f"{t['per_tensor'] / t['hybrid']:>17.2f}")
+    print(report(rows))
     return 0
+
+
+def report(rows) -> str:
+    """The table of medians and the ratio table of ``rows``: ``(model, params, tensors, times, buckets)``."""
+    med = [[name, n, k, nb, *(round(statistics.median(t[v]) * 1e3, 2) for v in ("torch", "hybrid", "per_tensor"))]
+           for name, n, k, t, nb in rows]
+    groups = {name: ([Ratio("hybrid", "torch", t["hybrid"], t["torch"]),
+                      Ratio("per_tensor", "hybrid", t["per_tensor"], t["hybrid"], better=">")],
+                     Ratio("torch'", "torch", t["torch'"], t["torch"]))
+              for name, _, _, t, _ in rows}
+    return "\n".join([format_table(["model", "params", "tensors", "buckets", "torch ms", "hybrid ms", "per-tensor ms"],
+                                    med), "", ratio_table(groups, group="model")])

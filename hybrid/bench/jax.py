@@ -2,8 +2,9 @@
 
 Every variant is a full jitted shard_map train step (forward, per-device gradient, reduction,
 optimizer, apply) with params and state donated, as a training loop does. Two measurements, each
-with its variants run interleaved (A, B, C, A, B, C...) and timed per repetition; medians, their
-ratios and the median of per-repetition (paired) ratios are printed:
+with its variants run interleaved (A, B, C, A, B, C...) and timed per repetition, its reference
+(the unsharded or per-leaf step) twice per repetition for the A/A row; medians are printed, and at
+the end the ratio table of both (``hybrid.bench._stats``):
 
 1. data-parallel SGD on a ~10M-parameter MLP (3 buckets at DDP's 25 MiB / 1 MiB caps) with a
    global batch of 1024 rows, so the step does the forward and backward work of training rather
@@ -27,7 +28,7 @@ import statistics
 import sys
 import time
 
-from hybrid.bench._stats import paired_ratio
+from hybrid.bench._stats import Ratio, ratio_table
 
 if "jax" not in sys.modules:  # host devices must be configured before jax is first imported
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -79,25 +80,28 @@ def _hlo_summary(text: str) -> str:
             f"{count('fusion')} fusions")
 
 
-def _run_interleaved(steps: dict, states: dict, x, reps: int, num_steps: int) -> tuple[dict, dict]:
-    """Wall-clock and process CPU seconds per step of every variant, one entry per repetition.
+def _run_interleaved(steps: dict, states: dict, x, reps: int, num_steps: int, order) -> tuple[dict, dict]:
+    """Wall-clock and process CPU seconds per step of every name in ``order``, one entry per repetition.
 
-    CPU time (all threads of this process) is printed beside wall time because on a shared
-    machine other jobs' load stretches wall time, by a different amount in every repetition.
+    ``order`` is the round: variant names, a name with a ``'`` being its variant again (the A/A
+    reference, on the same compiled step and state). CPU time (all threads of this process) is
+    printed beside wall time because on a shared machine other jobs' load stretches wall time, by
+    a different amount in every repetition.
     """
     import jax
-    wall = {name: [] for name in steps}
-    cpu = {name: [] for name in steps}
+    wall = {name: [] for name in order}
+    cpu = {name: [] for name in order}
     for _ in range(reps):
-        for name in steps:  # interleaved: every repetition times every variant once
-            p, s = states[name]
+        for name in order:  # interleaved: every repetition times every variant once
+            key = name.rstrip("'")
+            p, s = states[key]
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(num_steps):
-                p, s = steps[name](p, s, x)
+                p, s = steps[key](p, s, x)
             jax.block_until_ready((p, s))
             wall[name].append((time.perf_counter() - t0) / num_steps)
             cpu[name].append((time.process_time() - c0) / num_steps)
-            states[name] = (p, s)
+            states[key] = (p, s)
     return wall, cpu
 
 
@@ -214,17 +218,20 @@ def main(argv: list[str]) -> int:
         variants["local_sgd"] = (optax.sgd(1e-3), False)
         variants["pack_only_sgd"] = (optax.chain(pack_only(), optax.sgd(1e-3)), False)
     steps, states = _compile(variants, params, x, mesh)
-    times, cpu = _run_interleaved(steps, states, x, args.reps, args.steps)
+    # psum_sgd again right after bucketed_sgd, as bucketed_sgd is after psum_sgd: the A/A row.
+    order = ["psum_sgd", "bucketed_sgd", "psum_sgd'", *list(variants)[2:]]
+    times, cpu = _run_interleaved(steps, states, x, args.reps, args.steps, order)
     print(f"bench jax: 4 host devices ({devices[0].platform}), {os.cpu_count()} CPU cores")
     print(f"[1] data-parallel SGD step: MLP {args.depth} x {args.width}^2, {num_params} float32 params "
           f"in {plan.num_buckets} buckets (25 MiB / 1 MiB caps), global batch {args.batch}, "
-          f"{args.reps} reps x {args.steps} steps interleaved, medians")
+          f"{args.reps} reps x {args.steps} steps interleaved, medians; target bucketed_sgd/psum_sgd <= 1.05")
     med, cpu_med = _print_times(times, cpu)
-    for name, what in (("bucketed_sgd", "bucketed_all_reduce / psum step"),
-                       ("bucketed_per_step_sgd", "  persistent_buckets=False")):
-        print(f"  {what:34s}: {med[name] / med['psum_sgd']:.3f} (ratio of medians; target <= 1.05), "
-              f"paired {paired_ratio(times[name], times['psum_sgd']):.3f}, of minima "
-              f"{min(times[name]) / min(times['psum_sgd']):.3f}, of CPU time {cpu_med[name] / cpu_med['psum_sgd']:.3f}")
+    for name in ("bucketed_sgd", "bucketed_per_step_sgd"):
+        print(f"  {name}/psum_sgd: of minima {min(times[name]) / min(times['psum_sgd']):.3f}, "
+              f"of CPU time {cpu_med[name] / cpu_med['psum_sgd']:.3f} (wall time: the ratio table below)")
+    groups = {"[1] sgd": ([Ratio(name, "psum_sgd", times[name], times["psum_sgd"])
+                           for name in ("bucketed_sgd", "bucketed_per_step_sgd")],
+                          Ratio("psum_sgd'", "psum_sgd", times["psum_sgd'"], times["psum_sgd"]))}
     if args.breakdown:
         print(f"  reduction cost (psum - local)   : {(med['psum_sgd'] - med['local_sgd']) * 1e3:.2f} ms; "
               f"bucketing overhead (bucketed - psum): {(med['bucketed_sgd'] - med['psum_sgd']) * 1e3:.2f} ms; "
@@ -234,6 +241,7 @@ def main(argv: list[str]) -> int:
     del steps, states
 
     if args.skip_zero:
+        print("\n" + ratio_table(groups))
         return 0
     # 2. ZeRO vs unsharded adam
     params, x = _model(args.zero_width, args.zero_depth), batch(args.zero_batch, args.zero_width)
@@ -243,18 +251,19 @@ def main(argv: list[str]) -> int:
                 "zero1_adam": (hj.zero(adam(), "dp", stage=1), True),
                 "zero2_adam": (hj.zero(adam(), "dp", stage=2), True)}
     steps, states = _compile(variants, params, x, mesh)
-    times, cpu = _run_interleaved(steps, states, x, args.zero_reps, args.zero_steps)
+    order = ["unsharded_adam", "zero1_adam", "unsharded_adam'", "zero2_adam"]
+    times, cpu = _run_interleaved(steps, states, x, args.zero_reps, args.zero_steps, order)
     print(f"[2] ZeRO: MLP {args.zero_depth} x {args.zero_width}^2, {num_params} float32 params, global batch "
           f"{args.zero_batch}, {args.zero_reps} reps x {args.zero_steps} steps interleaved, medians")
-    med, _ = _print_times(times, cpu)
-    for stage in (1, 2):
-        name = f"zero{stage}_adam"
-        print(f"  zero stage {stage} / unsharded adam   : {med[name] / med['unsharded_adam']:.3f}, "
-              f"paired {paired_ratio(times[name], times['unsharded_adam']):.3f}")
+    _print_times(times, cpu)
+    groups["[2] zero"] = ([Ratio(f"zero{stage}_adam", "unsharded_adam", times[f"zero{stage}_adam"],
+                                 times["unsharded_adam"]) for stage in (1, 2)],
+                          Ratio("unsharded_adam'", "unsharded_adam", times["unsharded_adam'"], times["unsharded_adam"]))
     dev = devices[0]
     full = _bytes_per_device(states["unsharded_adam"][1], dev)
     for name in ("zero1_adam", "zero2_adam"):
         b = _bytes_per_device(states[name][1], dev)
         print(f"  optimizer state bytes/device {name}: {b} / unsharded {full} = {b / full:.4f} "
               f"(1/world_size = 0.25)")
+    print("\n" + ratio_table(groups))
     return 0

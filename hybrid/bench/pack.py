@@ -3,7 +3,8 @@
 Two workloads: a ~100M-parameter transformer's gradients (about 200 tensors) and 2000 small
 tensors. Each is packed into its buckets (``hybrid.kernels.gather``) and unpacked back
 (``hybrid.kernels.scatter``); the achieved bandwidth is divided by that of one contiguous copy of
-the same bytes, measured in the same run, interleaved (A, B, A, B, ...), medians over repetitions.
+the same bytes, measured in the same run, interleaved (copy, path, copy again, ...: the copy twice
+for the A/A row), medians over repetitions and the ratio table of ``hybrid.bench._stats``.
 
 On a GPU (and with the kernels built) the path is the CUDA kernels and the baseline a device
 memcpy; elsewhere the reference path (torch ``_foreach_copy_`` into views) and, for numpy,
@@ -18,6 +19,8 @@ import time
 
 import numpy as np
 
+from hybrid._table import format_table
+from hybrid.bench._stats import Ratio, ratio_table
 from hybrid.core import TensorSpec, pack, plan_buckets, unpack
 
 
@@ -44,13 +47,15 @@ def _time_once(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved(a, b, reps: int, sync) -> tuple[float, float]:
-    a(), b()  # warm up: allocations, caches, lazy registration
-    ta, tb = [], []
+def _interleaved(path, copy, reps: int, sync) -> tuple[list[float], list[float], list[float]]:
+    """Times of ``path``, ``copy`` and ``copy`` again (the A/A reference), interleaved copy, path, copy."""
+    path(), copy()  # warm up: allocations, caches, lazy registration
+    times = ([], [], [])
     for _ in range(reps):
-        ta.append(_time_once(a, sync))
-        tb.append(_time_once(b, sync))
-    return statistics.median(ta), statistics.median(tb)
+        times[1].append(_time_once(copy, sync))
+        times[0].append(_time_once(path, sync))
+        times[2].append(_time_once(copy, sync))
+    return times
 
 
 def _run_torch(name, shapes, device, backend, reps) -> list[tuple]:
@@ -77,8 +82,8 @@ def _run_torch(name, shapes, device, backend, reps) -> list[tuple]:
 
     rows = []
     for what, fn in (("pack", gather_all), ("unpack", scatter_all)):
-        t, tc = _interleaved(fn, memcpy, reps, sync)
-        rows.append((name, f"torch {backend} {what}", len(shapes), len(plan.buckets), nbytes, t, tc))
+        rows.append((name, f"torch {backend} {what}", len(shapes), len(plan.buckets), nbytes,
+                     *_interleaved(fn, memcpy, reps, sync)))
     return rows
 
 
@@ -105,8 +110,8 @@ def _run_numpy(name, shapes, reps) -> list[tuple]:
 
     rows = []
     for what, fn in (("pack", pack_all), ("unpack", unpack_all)):
-        t, tc = _interleaved(fn, memcpy, reps, lambda: None)
-        rows.append((name, f"numpy core {what}", len(shapes), len(plan.buckets), nbytes, t, tc))
+        rows.append((name, f"numpy core {what}", len(shapes), len(plan.buckets), nbytes,
+                     *_interleaved(fn, memcpy, reps, lambda: None)))
     return rows
 
 
@@ -142,10 +147,21 @@ def main(argv: list[str]) -> int:
             rows += _run_torch(name, shapes, device, backend, reps)
         if device == "cpu":
             rows += _run_numpy(name, shapes, reps)
-    print(f"{'workload':<12} {'path':<24} {'tensors':>7} {'buckets':>7} {'MB':>8} {'ms':>8} {'GB/s':>7} "
-          f"{'copy GB/s':>9} {'ratio':>6}")
-    for name, path, n, nb, nbytes, t, tc in rows:
-        print(f"{name:<12} {path:<24} {n:>7} {nb:>7} {nbytes / 1e6:>8.1f} {t * 1e3:>8.2f} {nbytes / t / 1e9:>7.2f} "
-              f"{nbytes / tc / 1e9:>9.2f} {tc / t:>6.2f}")
-    print("ratio = achieved bandwidth / one contiguous copy of the same bytes (medians, interleaved)")
+    print(report(rows))
     return 0
+
+
+def report(rows) -> str:
+    """Medians and bandwidths of ``rows`` ``(workload, path, tensors, buckets, bytes, times, copy times,
+    copy times again)``, then the ratio table: copy time / path time is the path's bandwidth over
+    one contiguous copy's."""
+    table, groups = [], {}
+    for name, path, n, nb, nbytes, t, tc, tc2 in rows:
+        med, med_copy = statistics.median(t), statistics.median(tc)
+        table.append([name, path, n, nb, round(nbytes / 1e6, 1), round(med * 1e3, 2), round(nbytes / med / 1e9, 2),
+                      round(nbytes / med_copy / 1e9, 2)])
+        what = path.rsplit(" ", 1)[1]
+        groups[f"{name}, {path}"] = ([Ratio("copy", what, tc, t, better=">")], Ratio("copy'", "copy", tc2, tc))
+    return "\n".join([format_table(["workload", "path", "tensors", "buckets", "MB", "ms", "GB/s", "copy GB/s"], table), "",
+                      ratio_table(groups, group="workload, path"),
+                      "copy/pack, copy/unpack: the path's bandwidth over that of one contiguous copy of the same bytes"])

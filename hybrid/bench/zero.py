@@ -19,6 +19,9 @@ Memory is counted from the live tensors of rank 0 and rank 1 (the larger is prin
 state is every tensor in the optimizer's state; gradients are what a rank keeps for the optimizer
 between backward and step (``.grad`` for DDP and ZeRO-1, the gradient slices for ZeRO-2).
 DDP's own communication buckets (full size in every variant, as in torch) are listed apart.
+
+``torch_zero1`` is stepped a second time in every round (``torch_zero1'``, right after
+``hybrid_zero1``) for the A/A row of the ratio table: the reference against itself.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table, human_bytes
-from hybrid.bench._stats import paired_ratio
+from hybrid.bench._stats import Ratio, ratio_table
 
 WORLD_SIZE = 2
 VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_shard",
             "hybrid_overlap_interleaved")
+REFERENCE = "torch_zero1"
+# The order of a round: the reference again right after hybrid_zero1, as hybrid_zero1 follows it.
+ROUND = (*VARIANTS[:3], REFERENCE + "'", *VARIANTS[3:])
 
 
 def _mlp(widths: tuple[int, ...]) -> nn.Module:
@@ -121,9 +127,10 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    runs = {name: _build(name, widths) for name in VARIANTS}
+    built = {name: _build(name, widths) for name in VARIANTS}
+    runs = {name: built[name.rstrip("'")] for name in ROUND}
     x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(rank))
-    times = {name: [] for name in VARIANTS}
+    times = {name: [] for name in ROUND}
     memory = {}
     for it in range(warmup + reps):
         for name, (model, ddp, opt) in runs.items():
@@ -142,8 +149,7 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
     params = list(runs["ddp_adam"][0].parameters())
     numels = [p.numel() for p in params]
     greedy = runs["hybrid_zero1"][2].partition.numel_per_rank()
-    result = {"rank": rank, "memory": memory, "times": {k: statistics.median(v) for k, v in times.items()},
-              "paired": {k: paired_ratio(v, times["torch_zero1"]) for k, v in times.items()},
+    result = {"rank": rank, "memory": memory, "times": times,
               "numel": sum(numels), "num_tensors": len(numels), "greedy_numel_per_rank": greedy,
               "zero2_buckets": runs["hybrid_zero2"][1].bucket_plan.num_buckets}
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -192,11 +198,16 @@ def main(argv: list[str]) -> int:
           f"greedy partition (ZeRO-1) elements per rank {greedy}: "
           f"imbalance max/mean = {max(greedy) / (sum(greedy) / len(greedy)):.4f}")
 
-    t = r0["times"]
     print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
-    paired = r0["paired"]
-    rows = [[name, round(t[name] * 1e3, 2), round(t[name] / t["ddp_adam"], 3),
-             round(t[name] / t["torch_zero1"], 3), round(paired[name], 3)] for name in VARIANTS]
-    print(format_table(["variant", "ms", "/ ddp_adam", "/ torch_zero1", "paired / torch_zero1"], rows))
-    print("paired = median over rounds of (this variant's step / torch_zero1's step in the same round)")
+    print(step_report(r0["times"]))
     return 0
+
+
+def step_report(times: dict) -> str:
+    """Median step times, their ratio to ``ddp_adam``, and the ratio table against the reference."""
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rows = [[name, round(med[name] * 1e3, 2), round(med[name] / med["ddp_adam"], 3)] for name in VARIANTS]
+    ratios = [Ratio(name, REFERENCE, times[name], times[REFERENCE]) for name in VARIANTS if name != REFERENCE]
+    same = Ratio(REFERENCE + "'", REFERENCE, times[REFERENCE + "'"], times[REFERENCE])
+    return "\n".join([format_table(["variant", "ms", "/ ddp_adam (medians)"], rows), "",
+                      ratio_table({"step": (ratios, same)})])
