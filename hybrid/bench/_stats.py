@@ -59,6 +59,20 @@ def ratio_range(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     return q1, q3
 
 
+def rotated(order: Sequence, rep: int) -> list:
+    """Repetition ``rep``'s order of the paths: ``order`` rotated by ``rep``.
+
+    Timing the paths in one fixed order lets a position effect (the path after the heaviest one
+    finds the caches cold) pass for a difference between paths, and moves an A/A ratio well off 1;
+    rotating the round spreads every path over every position.
+
+    >>> [rotated("ABC", rep) for rep in range(3)]
+    [['A', 'B', 'C'], ['B', 'C', 'A'], ['C', 'A', 'B']]
+    """
+    k = rep % len(order)
+    return [*order[k:], *order[:k]]
+
+
 def neighbour_reps(times: Sequence[float]) -> tuple[list[float], list[float]]:
     """``(later, earlier)``: each repetition and the one before it, for an A/A ratio of one series.
 
@@ -132,7 +146,8 @@ def ratio_table(groups: Mapping[str, tuple[Sequence[Ratio], Ratio | None]], *, n
     table = format_table([group, "ratio of times", "paired", "middle half", "of medians", "better"], rows)
     legend = [
         "paired: the median over the repetitions of one path's time over the other's in the same repetition",
-        "  (neighbours in the interleaved order: a change in the machine's load stretches both);",
+        "  (neighbours in the interleaved order, which rotates every repetition: a change in the machine's",
+        "  load stretches both, and no path keeps the same position);",
         "  middle half: first to third quartile of those per-repetition ratios; of medians: median / median.",
         *textwrap.wrap(f"A/A (noise): the same path against itself in this run ({noise}). An A/B ratio "
                        "inside its group's A/A middle half cannot be told from noise.", 100, subsequent_indent="  "),

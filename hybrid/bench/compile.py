@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table
-from hybrid.bench._stats import Ratio, ratio_table
+from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 _MB = 1 << 20
 
@@ -89,7 +89,7 @@ def _worker(rank, world, port, outdir, args):
     times = {k: [] for k in order}
     first, graphs, first_frames, frames = {}, {}, {}, 0
     for it in range(args.reps + 3):  # the first step compiles, the second rebuilds buckets
-        for name in order:
+        for name in rotated(order, it):
             k = name.rstrip("'")
             for p in mods[k].parameters():
                 p.grad = None

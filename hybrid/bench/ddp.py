@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table
-from hybrid.bench._stats import Ratio, ratio_table
+from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 
 def _big_mlp(width: int, depth: int) -> nn.Module:
@@ -82,7 +82,8 @@ def _worker(rank, world, port, outdir, quick, reps):
         mods["torch'"] = mods["torch"]
         times = {k: [] for k in steps}
         for it in range(reps + 3):  # 3 warm-up steps: the first builds and rebuilds buckets
-            for k, step in steps.items():
+            for k in rotated(list(steps), it):
+                step = steps[k]
                 for p in mods[k].parameters():
                     p.grad = None
                 dist.barrier()

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from hybrid.bench._stats import Ratio, ratio_table
+from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 if "jax" not in sys.modules:  # host devices must be configured before jax is first imported
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -91,8 +91,8 @@ def _run_interleaved(steps: dict, states: dict, x, reps: int, num_steps: int, or
     import jax
     wall = {name: [] for name in order}
     cpu = {name: [] for name in order}
-    for _ in range(reps):
-        for name in order:  # interleaved: every repetition times every variant once
+    for rep in range(reps):
+        for name in rotated(order, rep):  # interleaved: every repetition times every variant once
             key = name.rstrip("'")
             p, s = states[key]
             t0, c0 = time.perf_counter(), time.process_time()

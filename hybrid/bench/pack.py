@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from hybrid._table import format_table
-from hybrid.bench._stats import Ratio, ratio_table
+from hybrid.bench._stats import Ratio, ratio_table, rotated
 from hybrid.core import TensorSpec, pack, plan_buckets, unpack
 
 
@@ -48,13 +48,12 @@ def _time_once(fn, sync) -> float:
 
 
 def _interleaved(path, copy, reps: int, sync) -> tuple[list[float], list[float], list[float]]:
-    """Times of ``path``, ``copy`` and ``copy`` again (the A/A reference), interleaved copy, path, copy."""
+    """Times of ``path``, ``copy`` and ``copy`` again (the A/A reference), interleaved in a rotating order."""
     path(), copy()  # warm up: allocations, caches, lazy registration
     times = ([], [], [])
-    for _ in range(reps):
-        times[1].append(_time_once(copy, sync))
-        times[0].append(_time_once(path, sync))
-        times[2].append(_time_once(copy, sync))
+    for rep in range(reps):
+        for k in rotated((1, 0, 2), rep):
+            times[k].append(_time_once(copy if k else path, sync))
     return times
 
 

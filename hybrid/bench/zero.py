@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table, human_bytes
-from hybrid.bench._stats import Ratio, ratio_table
+from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 WORLD_SIZE = 2
 VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_shard",
@@ -133,7 +133,8 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
     times = {name: [] for name in ROUND}
     memory = {}
     for it in range(warmup + reps):
-        for name, (model, ddp, opt) in runs.items():
+        for name in rotated(list(runs), it):
+            model, ddp, opt = runs[name]
             dist.barrier()
             t0 = time.perf_counter()
             ddp(x).pow(2).mean().backward()
