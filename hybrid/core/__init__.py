@@ -13,6 +13,9 @@ from hybrid.core._buckets import (
     rebuild_plan,
 )
 from hybrid.core._dtypes import canonical_dtype, itemsize
+from hybrid.core._layout import Layout
+from hybrid.core._mapping import FLAX_RULES, ParamMapping, Rule
+from hybrid.core._pairing import MappingError, Pair, ParamPairing
 from hybrid.core._graph_split import GraphSplitPlan, merge_piece, plan_graph_split, split_size_limits
 from hybrid.core._memory import OPTIMIZER_STATE_COPIES, ZeroMemory, zero_memory
 from hybrid.core._shard import (
@@ -31,7 +34,8 @@ from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, st
 from hybrid.core._spec import TensorSpec
 
 __all__ = [
-    "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB",
+    "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "FLAX_RULES", "MiB",
+    "Layout", "MappingError", "Pair", "ParamMapping", "ParamPairing", "Rule",
     "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GraphSplitPlan", "GroupRun", "MemberSlice",
     "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "ReshardPlan", "ShardCopy", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",
