@@ -51,6 +51,7 @@ class TorchView:
     order: tuple[str, ...]
     world_size: int | None
     _treedef: object
+    _shapes: tuple[tuple[int, ...], ...]
     _layout: _Layout
     _zero_sizes: tuple[int, ...]  # device count of each ZeroState, in the state's order
 
@@ -64,13 +65,6 @@ class TorchView:
         torch_specs = Checkpoint(path).manifest.plan.specs if path is not None else None
         pairing = _pairing(mapping, names, shapes, torch_specs)
         layout = _Layout.of(params, what="checkpoint", order=order, **caps)
-
-        def like_params(x) -> bool:
-            try:
-                x_names, x_leaves, x_def = _leaves(x)
-            except Exception:  # not a pytree of arrays
-                return False
-            return x_def == treedef and [tuple(getattr(v, "shape", ())) for v in x_leaves] == shapes
 
         def torch_named(named: dict) -> dict:
             return pairing.to_torch({n: np.asarray(v) if host else v for n, v in named.items()})
@@ -89,11 +83,11 @@ class TorchView:
                             lambda flats: torch_named(_whole(layout, flats) if host else _zeros(layout, flats)))
             return torch_named(dict(zip(names, jax.tree_util.tree_leaves(node))))
 
-        is_node = lambda x: isinstance(x, ZeroState) or like_params(x)
+        is_node = lambda x: isinstance(x, ZeroState) or _like_params(x, treedef, shapes)
         state = None if opt_state is None else _map(opt_state, is_node, view)
         world = zero_sizes[0] if zero_sizes else None
-        return cls(pairing, torch_named(dict(zip(names, leaves))), state, pairing.torch_names, world, treedef, layout,
-                   tuple(zero_sizes))
+        return cls(pairing, torch_named(dict(zip(names, leaves))), state, pairing.torch_names, world, treedef,
+                   tuple(shapes), layout, tuple(zero_sizes))
 
     def back(self, params_like, state_like, loaded_params: dict, loaded_state):
         """What the plain load gave for this view, in the structure, layouts and placement of
@@ -119,12 +113,17 @@ class TorchView:
                 return ZeroState(placed, old.plan_fingerprint)
             return tree(loaded)
 
-        nodes, treedef = jax.tree_util.tree_flatten(state_like, is_leaf=lambda x: isinstance(x, ZeroState)
-                                                    or jax.tree_util.tree_structure(x) == self._treedef)
+        is_node = lambda x: isinstance(x, ZeroState) or _like_params(x, self._treedef, list(self._shapes))
+        nodes, treedef = jax.tree_util.tree_flatten(state_like, is_leaf=is_node)
         loaded_nodes = treedef.flatten_up_to(loaded_state)
-        return params, jax.tree_util.tree_unflatten(treedef, [
-            rebuild(o, l) if isinstance(o, ZeroState) or jax.tree_util.tree_structure(o) == self._treedef else l
-            for o, l in zip(nodes, loaded_nodes)])
+        return params, jax.tree_util.tree_unflatten(treedef, [rebuild(o, l) if is_node(o) else l
+                                                              for o, l in zip(nodes, loaded_nodes)])
+
+
+def _like_params(x, treedef, shapes: list) -> bool:
+    """A subtree laid out like the params (Adam's ``mu``, momentum's ``trace``): same structure and shapes."""
+    leaves, x_def = jax.tree_util.tree_flatten(x)
+    return x_def == treedef and [tuple(getattr(v, "shape", ())) for v in leaves] == shapes
 
 
 def _map(tree, is_node, fn):
