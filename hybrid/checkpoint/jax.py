@@ -21,6 +21,7 @@ from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax import ZeroState
 from hybrid.jax._specs import _Layout, _leaves
 from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._jax_mapped import TorchView
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
 from hybrid.checkpoint._optax_groups import optax_from_manifest  # noqa: F401  (public: torch's param groups in optax)
 from hybrid.checkpoint._write import check_json, save_arrays, save_sharded, to_storage
@@ -83,7 +84,7 @@ def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
 def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=None, world_size: int | None = None,
          stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-         metadata: dict | None = None, buffers=None, state: dict | None = None) -> Manifest:
+         metadata: dict | None = None, buffers=None, state: dict | None = None, mapping=None) -> Manifest:
     """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
 
     With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
@@ -106,6 +107,10 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
       state: JSON-serializable run state (data position, seeds), read back with
         :func:`hybrid.checkpoint.read_state`. An optax schedule needs nothing: its step count
         lives in the optimizer state, which the load restores.
+      mapping: a ``hybrid.core.ParamMapping`` (or a resolved ``ParamPairing``): save under torch's
+        names and layouts (docs/models.md), so torch's ``hybrid.checkpoint.torch.load`` reads the
+        checkpoint as its own. A zero state is gathered and written as whole tensors, in as many
+        files as it has devices. Buffers keep their JAX names.
 
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
@@ -115,6 +120,11 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     ('mu', 'nu')
     """
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    if mapping is not None:
+        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, host=True)
+        return save(path, view.params, view.state, step=step, order=view.order, world_size=world_size or view.world_size,
+                    stage=stage, optimizer=optimizer, hyperparameters=hyperparameters, metadata=metadata,
+                    buffers=buffers, state=state, **caps)
     layout = _layout(params, order, caps)
     names = [s.name for s in layout.plan.specs]
     host_params = [_host(p) for p in layout.spec_arrays(params)]
@@ -151,7 +161,8 @@ def _like(value: np.ndarray, old):
 
 
 def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
-         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES):
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
+         mapping=None):
     """Load a checkpoint (from either frontend, any world size) into the layout of ``params`` and
     ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
 
@@ -161,6 +172,10 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     :class:`~hybrid.checkpoint.CheckpointError` naming the file. With ``opt_state=None`` only the
     parameters are loaded.
 
+    With ``mapping`` (a ``hybrid.core.ParamMapping`` or ``ParamPairing``) the checkpoint holds
+    torch's names and layouts (a torch save, or a JAX save with the same mapping): each tensor is
+    placed through the mapping, and one the mapping cannot place is a ``MappingError`` naming it.
+
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.arange(6.0).reshape(2, 3)}
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt"); _ = save(d, params, step=3, world_size=2)
@@ -169,6 +184,10 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     (3, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
     """
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    if mapping is not None:
+        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, path=path, host=False)
+        loaded_params, loaded_state, step = load(path, view.params, view.state, order=view.order, **caps)
+        return (*view.back(params, opt_state, loaded_params, loaded_state), step)
     layout = _layout(params, order, caps)
     ckpt = Checkpoint(path)
     ckpt.check_model(layout.plan.specs, what="params")

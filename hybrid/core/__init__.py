@@ -14,6 +14,9 @@ from hybrid.core._buckets import (
 )
 from hybrid.core._cost import COLLECTIVES, NETWORKS, CostModel, Fit, Link, collective_seconds, exposed_seconds, wire_bytes
 from hybrid.core._dtypes import canonical_dtype, itemsize
+from hybrid.core._layout import Layout
+from hybrid.core._mapping import FLAX_RULES, ParamMapping, Rule
+from hybrid.core._pairing import MappingError, Pair, ParamPairing
 from hybrid.core._graph_split import GraphSplitPlan, merge_piece, plan_graph_split, split_size_limits
 from hybrid.core._memory import OPTIMIZER_STATE_COPIES, ZeroMemory, zero_memory
 from hybrid.core._shard import (
@@ -33,8 +36,9 @@ from hybrid.core._spec import TensorSpec
 from hybrid.core._step_cost import STAGES, StepCost, step_cost
 
 __all__ = [
-    "COLLECTIVES", "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "MiB", "NETWORKS", "STAGES",
-    "CostModel", "Fit", "Link", "StepCost", "collective_seconds", "exposed_seconds", "step_cost", "wire_bytes",
+    "COLLECTIVES", "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "FLAX_RULES", "MiB", "NETWORKS",
+    "STAGES", "CostModel", "Fit", "Layout", "Link", "MappingError", "Pair", "ParamMapping", "ParamPairing", "Rule",
+    "StepCost", "collective_seconds", "exposed_seconds", "step_cost", "wire_bytes",
     "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GraphSplitPlan", "GroupRun", "MemberSlice",
     "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "ReshardPlan", "ShardCopy", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",

@@ -1,0 +1,169 @@
+"""``mapping=`` of :mod:`hybrid.checkpoint.jax`: a JAX tree saved under torch's names and layouts,
+and loaded back from them.
+
+A :class:`TorchView` re-expresses the params tree and the optax state under torch's names: the
+params, and every part of the state laid out like them (Adam's ``mu`` / ``nu``, momentum's
+``trace``), become flat ``{torch name: array in torch's layout}`` dicts, whose key-path names are
+torch's names. ``hybrid.jax.zero``'s flat buckets are unpacked into whole tensors first (the
+transposes of a mapping do not keep a bucket's elements contiguous, so they cannot be resharded
+slice by slice). The plain save and load then run on the view, and :meth:`TorchView.back` turns
+what the load gave into the caller's structure, layouts and placement. Nothing here imports the
+plain save/load: ``hybrid.checkpoint.jax`` calls in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from hybrid.core import MappingError, ParamMapping, ParamPairing, pack, shard_flat, unpack
+from hybrid.jax import ZeroState
+from hybrid.jax._specs import _Layout, _leaves
+from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._manifest import CheckpointError
+
+
+def _pairing(mapping, names, shapes, torch_specs=None) -> ParamPairing:
+    """The pairing of the tree's leaves with torch's tensors (those of the checkpoint on a load)."""
+    jax_shapes = dict(zip(names, shapes))
+    if isinstance(mapping, ParamMapping):
+        torch_shapes = None if torch_specs is None else {s.name: s.shape for s in torch_specs}
+        return mapping.pair(jax_shapes, torch_shapes)
+    if not isinstance(mapping, ParamPairing):
+        raise TypeError(f"mapping must be a hybrid.core.ParamMapping or ParamPairing, got {type(mapping).__name__}")
+    given = {p.jax: p.jax_shape for p in mapping.pairs}
+    if given != jax_shapes:
+        wrong = sorted(set(given.items()) ^ set(jax_shapes.items()))
+        raise MappingError(f"the pairing was made for another tree: (name, shape) in one of them only: {wrong}")
+    return mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchView:
+    """The params and optax state of a JAX run under torch's names (see the module docstring)."""
+
+    pairing: ParamPairing
+    params: dict
+    state: object
+    order: tuple[str, ...]
+    world_size: int | None
+    _treedef: object
+    _shapes: tuple[tuple[int, ...], ...]
+    _layout: _Layout
+    _zero_sizes: tuple[int, ...]  # device count of each ZeroState, in the state's order
+
+    @classmethod
+    def of(cls, mapping, params, opt_state, *, order, caps: dict, path: str | os.PathLike | None = None,
+           host: bool) -> "TorchView":
+        """The view of ``params`` / ``opt_state``; on a load (``path`` given) paired with the
+        checkpoint's tensors; ``host=True`` (a save) reads every array to the host."""
+        names, leaves, treedef = _leaves(params)
+        shapes = [tuple(x.shape) for x in leaves]
+        torch_specs = Checkpoint(path).manifest.plan.specs if path is not None else None
+        pairing = _pairing(mapping, names, shapes, torch_specs)
+        layout = _Layout.of(params, what="checkpoint", order=order, **caps)
+
+        def torch_named(named: dict) -> dict:
+            return pairing.to_torch({n: np.asarray(v) if host else v for n, v in named.items()})
+
+        zero_sizes = []
+
+        def view(node):
+            if isinstance(node, ZeroState):
+                n = _devices(node)
+                zero_sizes.append(n)
+                shards = shard_flat(layout.plan, n)
+                if shards.fingerprint() != node.plan_fingerprint:
+                    raise CheckpointError("the ZeroState was planned with other bucket caps or leaf order than "
+                                          "given here: pass the order= and bucket caps you gave hybrid.jax.zero")
+                return _map(node.inner, lambda x: _is_buckets(x, shards),
+                            lambda flats: torch_named(_whole(layout, flats) if host else _zeros(layout, flats)))
+            return torch_named(dict(zip(names, jax.tree_util.tree_leaves(node))))
+
+        is_node = lambda x: isinstance(x, ZeroState) or _like_params(x, treedef, shapes)
+        state = None if opt_state is None else _map(opt_state, is_node, view)
+        world = zero_sizes[0] if zero_sizes else None
+        return cls(pairing, torch_named(dict(zip(names, leaves))), state, pairing.torch_names, world, treedef,
+                   tuple(shapes), layout, tuple(zero_sizes))
+
+    def back(self, params_like, state_like, loaded_params: dict, loaded_state):
+        """What the plain load gave for this view, in the structure, layouts and placement of
+        ``params_like`` and ``state_like`` (the caller's trees)."""
+        names, _, _ = _leaves(params_like)
+
+        def tree(loaded: dict):
+            arrays = self.pairing.to_jax(loaded)
+            return jax.tree_util.tree_unflatten(self._treedef, [arrays[n] for n in names])
+
+        params = tree(loaded_params)
+        if state_like is None:
+            return params, None
+        names_set = set(self.pairing.torch_names)
+        is_view = lambda x: isinstance(x, dict) and set(x) == names_set
+        sizes = iter(self._zero_sizes)
+
+        def rebuild(old, loaded):
+            if isinstance(old, ZeroState):
+                shards = shard_flat(self._layout.plan, next(sizes))
+                inner = _map(loaded, is_view, lambda d: _buckets(self._layout, shards, tree(d)))
+                placed = jax.tree_util.tree_map(lambda new, o: jax.device_put(new, o.sharding), inner, old.inner)
+                return ZeroState(placed, old.plan_fingerprint)
+            return tree(loaded)
+
+        is_node = lambda x: isinstance(x, ZeroState) or _like_params(x, self._treedef, list(self._shapes))
+        nodes, treedef = jax.tree_util.tree_flatten(state_like, is_leaf=is_node)
+        loaded_nodes = treedef.flatten_up_to(loaded_state)
+        return params, jax.tree_util.tree_unflatten(treedef, [rebuild(o, l) if is_node(o) else l
+                                                              for o, l in zip(nodes, loaded_nodes)])
+
+
+def _like_params(x, treedef, shapes: list) -> bool:
+    """A subtree laid out like the params (Adam's ``mu``, momentum's ``trace``): same structure and shapes."""
+    leaves, x_def = jax.tree_util.tree_flatten(x)
+    return x_def == treedef and [tuple(getattr(v, "shape", ())) for v in leaves] == shapes
+
+
+def _map(tree, is_node, fn):
+    """``tree`` with each subtree ``is_node`` accepts replaced by ``fn(subtree)`` (other leaves kept)."""
+    nodes, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+    return jax.tree_util.tree_unflatten(treedef, [fn(n) if is_node(n) else n for n in nodes])
+
+
+def _devices(zero: ZeroState) -> int:
+    leaves = jax.tree_util.tree_leaves(zero.inner)
+    sharding = next((x.sharding for x in leaves if getattr(x, "ndim", 0) == 1 and hasattr(x, "sharding")), None)
+    if sharding is None:
+        raise CheckpointError("a ZeroState must be passed as the global arrays shard_map/jit returned "
+                              "(sharded over the mesh), not as host arrays")
+    return len(sharding.device_set)
+
+
+def _is_buckets(x, shards) -> bool:
+    """One slot of a zero state: a plain tuple of one padded flat array per bucket."""
+    return (type(x) is tuple and len(x) == len(shards.bucket_plan.buckets)
+            and all(getattr(f, "shape", None) == (shards.padded_length(b),) for b, f in enumerate(x)))
+
+
+def _whole(layout: _Layout, flats) -> dict:
+    """``{jax name: whole tensor}`` of one zero slot (its global flat buckets), on the host."""
+    out = {}
+    for b, flat in enumerate(flats):
+        for i, a in unpack(layout.plan, b, np.asarray(flat)).items():
+            out[layout.plan.specs[i].name] = a
+    return out
+
+
+def _zeros(layout: _Layout, flats) -> dict:
+    """Host zeros in the shape and dtype of each tensor of one zero slot: what a load fills in."""
+    dtypes = [flats[b].dtype for b, bucket in enumerate(layout.plan.buckets) for _ in bucket.members]
+    members = [i for bucket in layout.plan.buckets for i in bucket.members]
+    return {layout.plan.specs[i].name: np.zeros(layout.plan.specs[i].shape, d) for i, d in zip(members, dtypes)}
+
+
+def _buckets(layout: _Layout, shards, tree) -> tuple:
+    """The padded flat buckets of a tree laid out as ``layout``: a zero slot."""
+    arrays = layout.spec_arrays(tree)
+    return tuple(pack(layout.plan, b, arrays, length=shards.padded_length(b)) for b in range(len(layout.plan.buckets)))

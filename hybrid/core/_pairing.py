@@ -1,0 +1,194 @@
+"""A resolved mapping: every tensor of a JAX tree paired with its torch name and layout.
+
+:class:`ParamPairing` is what :meth:`hybrid.core.ParamMapping.pair` returns. It is plain data
+(names, shapes, layouts), JSON round-trippable with a fingerprint like every plan, and it converts
+whole parameter sets both ways, exactly: nothing is dropped, invented or silently skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from hybrid.core._fingerprint import fingerprint_of
+from hybrid.core._layout import Layout
+
+
+class MappingError(ValueError):
+    """A tensor the mapping cannot place, or arrays that do not fit the pairing; the message names it."""
+
+    __module__ = "hybrid.core"  # raised to users as the public name
+
+
+def nearest(name: str, candidates: Iterable[str] | Mapping[str, str], n: int = 3) -> str:
+    """``name``'s closest candidates (difflib), for messages. From a mapping, the keys are compared
+    and the values named (e.g. JAX names compared in torch's spelling).
+
+    >>> nearest("h.0.attn.c_atn.weight", ["h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "wte.weight"])
+    "nearest: 'h.0.attn.c_attn.weight', 'h.0.mlp.c_fc.weight'"
+    """
+    shown = dict(candidates) if isinstance(candidates, Mapping) else {c: c for c in candidates}
+    close = difflib.get_close_matches(name, list(shown), n=n, cutoff=0.6)
+    return "nearest: " + ", ".join(repr(shown[c]) for c in close) if close else "no similar names"
+
+
+def errors_message(errors: list[str], what: str) -> str:
+    """One error as it is; several as a count and one per line."""
+    return errors[0] if len(errors) == 1 else f"{len(errors)} {what}:\n  " + "\n  ".join(errors)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pair:
+    """One tensor on both sides: JAX name and shape, torch name and shape, the layout between
+    them (JAX to torch) and the rule that placed it (for messages and the plan inspector)."""
+
+    jax: str
+    torch: str
+    layout: Layout
+    jax_shape: tuple[int, ...]
+    torch_shape: tuple[int, ...]
+    rule: str = ""
+
+    def to_json(self) -> dict:
+        return {"jax": self.jax, "torch": self.torch, "layout": self.layout.to_json(),
+                "jax_shape": list(self.jax_shape), "torch_shape": list(self.torch_shape), "rule": self.rule}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Pair":
+        return cls(d["jax"], d["torch"], Layout.from_json(d["layout"]), tuple(d["jax_shape"]),
+                   tuple(d["torch_shape"]), d.get("rule", ""))
+
+
+def _host(x) -> np.ndarray:
+    return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamPairing:
+    """Each JAX tensor with its torch counterpart, in torch's order where torch's names were given.
+
+    Args:
+      pairs: one :class:`Pair` per tensor.
+      tied: ``(alias, source)`` torch names: ``alias`` is the same tensor as ``source`` (an LM head
+        tied to the token embedding). torch's ``named_parameters()`` lists it once, its
+        ``state_dict()`` under both names; the JAX tree holds it once.
+
+    >>> from hybrid.core import ParamMapping
+    >>> pairing = ParamMapping.flax().pair({"fc.kernel": (3, 5), "fc.bias": (5,)})
+    >>> [(p.jax, p.torch, str(p.layout)) for p in pairing.pairs]
+    [('fc.kernel', 'fc.weight', 'transpose(1, 0)'), ('fc.bias', 'fc.bias', 'as is')]
+    >>> ParamPairing.from_json(pairing.dumps()).fingerprint() == pairing.fingerprint()
+    True
+    """
+
+    pairs: tuple[Pair, ...]
+    tied: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "pairs", tuple(self.pairs))
+        object.__setattr__(self, "tied", tuple((str(a), str(s)) for a, s in self.tied))
+        for side in ("jax", "torch"):
+            names = [getattr(p, side) for p in self.pairs]
+            if len(set(names)) != len(names):
+                twice = sorted({n for n in names if names.count(n) > 1})
+                raise MappingError(f"{side} names placed more than once: {twice}")
+        torch_names = {p.torch for p in self.pairs}
+        for alias, source in self.tied:
+            if source not in torch_names:
+                raise MappingError(f"tied {alias!r} -> {source!r}: {source!r} is no torch tensor of the pairing "
+                                   f"({nearest(source, torch_names)})")
+            if alias in torch_names:
+                raise MappingError(f"tied {alias!r} -> {source!r}: {alias!r} is a tensor of its own in the pairing")
+
+    @property
+    def jax_names(self) -> tuple[str, ...]:
+        return tuple(p.jax for p in self.pairs)
+
+    @property
+    def torch_names(self) -> tuple[str, ...]:
+        """torch names in pairing order (torch's registration order when torch's names were given)."""
+        return tuple(p.torch for p in self.pairs)
+
+    def torch_name(self, jax_name: str) -> str:
+        return self._by("jax", jax_name).torch
+
+    def jax_name(self, torch_name: str) -> str:
+        return self._by("torch", dict(self.tied).get(torch_name, torch_name)).jax
+
+    def _by(self, side: str, name: str) -> Pair:
+        for p in self.pairs:
+            if getattr(p, side) == name:
+                return p
+        raise MappingError(f"no {side} tensor {name!r} in the pairing ({nearest(name, self._names(side))})")
+
+    def _names(self, side: str) -> list[str]:
+        return [getattr(p, side) for p in self.pairs] + ([a for a, _ in self.tied] if side == "torch" else [])
+
+    def _check_keys(self, arrays: Mapping, side: str, optional: Iterable[str] = ()) -> None:
+        wanted = [getattr(p, side) for p in self.pairs]
+        missing = [n for n in wanted if n not in arrays]
+        unknown = [n for n in arrays if n not in set(wanted) | set(optional)]
+        if missing or unknown:
+            lines = [f"{side} tensor {n!r} has no place in the pairing ({nearest(n, wanted)})" for n in unknown]
+            lines += [f"{side} tensor {n!r} is missing ({nearest(n, list(arrays))} among those given)"
+                      for n in missing]
+            raise MappingError(errors_message(lines, "tensors do not fit the pairing"))
+
+    def to_torch(self, jax_arrays: Mapping, *, tied: bool = False) -> dict:
+        """The torch-named, torch-laid-out arrays of ``{jax name: array}``, in pairing order.
+
+        With ``tied=True`` each tied alias is added after its source as the same array (the keys
+        of torch's ``state_dict()``); by default only the tensors ``named_parameters()`` lists.
+        """
+        self._check_keys(jax_arrays, "jax")
+        out = {}
+        for p in self.pairs:
+            x = jax_arrays[p.jax]
+            if tuple(x.shape) != p.jax_shape:
+                raise MappingError(f"jax tensor {p.jax!r} has shape {tuple(x.shape)}, the pairing {p.jax_shape}")
+            out[p.torch] = p.layout.to_torch(x)
+        if tied:
+            for alias, source in self.tied:
+                out[alias] = out[source]
+        return out
+
+    def to_jax(self, torch_arrays: Mapping) -> dict:
+        """The JAX-named, JAX-laid-out arrays of ``{torch name: array}``, in pairing order.
+
+        Tied aliases may be given (a ``state_dict``): each must hold exactly its source's values.
+        """
+        self._check_keys(torch_arrays, "torch", optional=[a for a, _ in self.tied])
+        for alias, source in self.tied:
+            a = torch_arrays.get(alias)
+            if a is not None and a is not torch_arrays[source] and not np.array_equal(_host(a), _host(torch_arrays[source])):
+                raise MappingError(f"torch tensor {alias!r} is tied to {source!r} but holds other values")
+        out = {}
+        for p in self.pairs:
+            y = torch_arrays[p.torch]
+            if tuple(y.shape) != p.torch_shape:
+                raise MappingError(f"torch tensor {p.torch!r} has shape {tuple(y.shape)}, the pairing {p.torch_shape}")
+            out[p.jax] = p.layout.to_jax(y, p.jax_shape)
+        return out
+
+    def to_json(self) -> dict:
+        return {"kind": "ParamPairing", "pairs": [p.to_json() for p in self.pairs],
+                "tied": [list(t) for t in self.tied]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def from_json(cls, d: dict | str) -> "ParamPairing":
+        if isinstance(d, str):
+            d = json.loads(d)
+        if d.get("kind") != "ParamPairing":
+            raise ValueError(f"not a ParamPairing JSON object (kind={d.get('kind')!r})")
+        return cls(tuple(Pair.from_json(p) for p in d["pairs"]), tuple(tuple(t) for t in d.get("tied", ())))
+
+    def fingerprint(self) -> str:
+        """Stable 16-hex-digit digest: equal pairings give equal strings in every process."""
+        return fingerprint_of(self.to_json())
