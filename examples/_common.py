@@ -20,13 +20,25 @@ def parse(description: str, extra=None) -> tuple[TrainConfig, argparse.Namespace
     p.add_argument("--batch-size", type=int, default=d.global_batch_size, help="global, over all ranks")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", help="write the losses and final parameters here (.npz), from rank 0")
+    p.add_argument("--save", metavar="PATH", help="save a checkpoint here (every rank writes its file)")
+    p.add_argument("--save-at", type=int, metavar="STEP", help="with --save: after this many steps (default: at the "
+                   "end); training goes on")
+    p.add_argument("--resume", metavar="PATH", help="resume from this checkpoint (saved by either example, at any "
+                   "number of ranks) at its step")
     if extra is not None:
         extra(p)
     a = p.parse_args()
+    if a.save_at is not None and (a.save is None or not 0 <= a.save_at <= a.steps):
+        p.error(f"--save-at {a.save_at} needs --save PATH and a step in [0, --steps {a.steps}]")
     config = TrainConfig(num_steps=a.steps, stage=a.stage, optimizer=a.optimizer, lr=a.lr,
                          weight_decay=a.weight_decay, clip_norm=a.clip_norm, global_batch_size=a.batch_size,
                          seed=a.seed)
     return config, a
+
+
+def checkpoint_args(args: argparse.Namespace) -> dict:
+    """``--save``, ``--save-at`` and ``--resume`` as the keyword arguments of train_torch / train_jax."""
+    return dict(save_to=args.save, save_at=args.save_at, resume=args.resume)
 
 
 def print_step(step: int, loss: float) -> None:
@@ -38,4 +50,5 @@ def report(result, args, world_size: int) -> None:
     print(f"done: {len(result.losses)} steps on {world_size} ranks in {result.seconds:.2f} s, loss "
           f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, bucket plan {result.plan_fingerprint}", flush=True)
     if args.out:
-        np.savez(args.out, losses=result.losses, **{f"param/{k}": v for k, v in result.params.items()})
+        np.savez(args.out, losses=result.losses, start_step=result.start_step,
+                 **{f"param/{k}": v for k, v in result.params.items()})

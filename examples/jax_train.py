@@ -6,7 +6,9 @@
 Each process runs this once (on one machine or many); the arguments default to the environment
 variables COORDINATOR_ADDRESS, NUM_PROCESSES and PROCESS_ID. The mesh spans all processes'
 devices (``--cpu-devices`` host devices each on CPU); device r trains on rows [r*B/W, (r+1)*B/W)
-of every global batch, and process 0 prints each step's global loss.
+of every global batch, and process 0 prints each step's global loss. ``--save PATH --save-at K``
+saves a checkpoint after step K (every process writes the files of its devices; PATH on a file
+system all share), ``--resume PATH`` continues from one, at any number of processes.
 """
 
 import os
@@ -20,7 +22,7 @@ def _cluster(p) -> None:
 
 
 def main() -> None:
-    from _common import parse, print_step, report
+    from _common import checkpoint_args, parse, print_step, report
 
     config, args = parse(__doc__.splitlines()[0], _cluster)
     # Before jax starts: the number of host devices per process.
@@ -37,7 +39,7 @@ def main() -> None:
                                process_id=args.process_id, initialization_timeout=120)
     mesh = Mesh(np.array(jax.devices()), ("dp",))  # global device order: process 0's devices first
     first = jax.process_index() == 0
-    result = train_jax(config, mesh=mesh, progress=print_step if first else None)
+    result = train_jax(config, mesh=mesh, progress=print_step if first else None, **checkpoint_args(args))
     if first:
         report(result, args, mesh.size)
     jax.distributed.shutdown()

@@ -5,12 +5,14 @@
 torchrun starts the processes and passes RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the
 environment (``env://`` rendezvous); on several machines run it on each with ``--nnodes``,
 ``--node_rank`` and ``--master_addr`` of the first. Rank r trains on rows [r*B/W, (r+1)*B/W) of
-every global batch; rank 0 prints each step's global loss.
+every global batch; rank 0 prints each step's global loss. ``--save PATH --save-at K`` saves a
+checkpoint after step K (every rank writes its file), ``--resume PATH`` continues from one (saved
+by either script, at any number of ranks).
 """
 
 import torch.distributed as dist
 
-from _common import parse, print_step, report
+from _common import checkpoint_args, parse, print_step, report
 from hybrid.demo import pin_torch_numerics, train_torch
 
 
@@ -19,7 +21,7 @@ def main() -> None:
     pin_torch_numerics()
     dist.init_process_group("gloo")  # env:// from torchrun; the twin model lives on the CPU
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    result = train_torch(config, progress=print_step)  # progress runs on rank 0 only
+    result = train_torch(config, progress=print_step, **checkpoint_args(args))  # progress: rank 0 only
     if rank == 0:
         report(result, args, world_size)
     dist.destroy_process_group()

@@ -1,8 +1,12 @@
 """Launching and waiting for groups of processes, as the multi-process tests do."""
 
 import multiprocessing as mp
+import os
 import queue
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +76,14 @@ def finish(procs, what: str, *, timeout_s: float) -> list[str]:
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"{what} process {i} exited with {p.returncode}:\n{out[-4000:]}"
     return outs
+
+
+def start_jax_job(script, num_processes: int, *args: str) -> list:
+    """A jax.distributed job on 127.0.0.1: ``python SCRIPT PORT NUM_PROCESSES PROCESS_ID *ARGS``
+    once per process, output captured, XLA_FLAGS left for the script to set (its device count)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's hybrid
+    return [subprocess.Popen([sys.executable, str(script), str(port), str(num_processes), str(i), *map(str, args)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(num_processes)]

@@ -4,7 +4,9 @@ padded flat buckets, sharded over the mesh) or of a plain, unsharded optax trans
 The optimizer state is found by type: ``optax.ScaleByAdamState`` (slots ``mu``, ``nu`` and its
 ``count``; adam, adamw, ...) and ``optax.TraceState`` (slot ``trace``: sgd with momentum), inside
 a :class:`hybrid.jax.ZeroState` or not. Any ``optax.ScaleByScheduleState`` count is restored too.
-One process holds every device's shard (a single-controller mesh).
+The mesh may be one process's devices (single controller) or span the processes of a
+``jax.distributed`` job: there every process saves and loads, each writing and reading only the
+slices its own devices hold (``_jax_processes.py`` has the save's agreement).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._jax_mapped import TorchView
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
 from hybrid.checkpoint._optax_groups import optax_from_manifest  # noqa: F401  (public: torch's param groups in optax)
-from hybrid.checkpoint._write import check_json, save_arrays, save_sharded, to_storage
+from hybrid.checkpoint._jax_processes import save_from_processes
+from hybrid.checkpoint._write import check_json, save_sharded, to_storage
 
 _SLOTS = {optax.ScaleByAdamState: ("mu", "nu"), optax.TraceState: ("trace",)}
 _NODES = (ZeroState, optax.ScaleByScheduleState, *_SLOTS)
@@ -57,9 +60,12 @@ def _slot_node(state) -> tuple[Any, ZeroState | None]:
 
 
 def _host(x) -> np.ndarray:
+    """``x`` on the host: a replicated global array from this process's copy."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        raise NotImplementedError("checkpoints of a mesh spanning several processes are not supported yet: "
-                                  "every shard must be addressable from the saving process")
+        if not x.sharding.is_fully_replicated:
+            raise CheckpointError(f"an array sharded across processes ({x.sharding}) outside a hybrid.jax.zero "
+                                  f"state: a checkpoint holds replicated params and buffers, and zero's shards")
+        return np.asarray(x.addressable_data(0))
     return np.asarray(x)
 
 
@@ -84,13 +90,22 @@ def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
 def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=None, world_size: int | None = None,
          stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-         metadata: dict | None = None, buffers=None, state: dict | None = None, mapping=None) -> Manifest:
+         metadata: dict | None = None, buffers=None, state: dict | None = None, mapping=None,
+         timeout_s: float = 300.0) -> Manifest:
     """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
 
     With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
     device ``r``'s slices become rank ``r``'s file, in the zero plan's layout: no gathering of
     state. With a plain optax state (unsharded, e.g. ``optax.adam(...).init(params)``) the
     arrays are cut into ``world_size`` files (default 1).
+
+    Under ``jax.distributed`` (several processes) this is a collective, as orbax's save is: every
+    process calls it with the same arguments; each writes the files of the zero slices its devices
+    hold (of an unsharded state: files ``p, p + P, ...``), process 0 writes the manifest once all
+    files are in place, and every process returns the manifest. ``path`` must be on a file system
+    all processes share. A process that fails makes the others raise with its error; one that dies
+    or stalls is named in a RuntimeError once ``timeout_s`` has passed, and the previous checkpoint
+    at ``path`` stays in place.
 
     Args:
       path: the checkpoint directory; an existing one is replaced only once the save is complete.
@@ -111,6 +126,8 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
         names and layouts (docs/models.md), so torch's ``hybrid.checkpoint.torch.load`` reads the
         checkpoint as its own. A zero state is gathered and written as whole tensors, in as many
         files as it has devices. Buffers keep their JAX names.
+      timeout_s: with several processes, how long the save may wait for the others (the slowest
+        process's write included); unused in one process.
 
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
@@ -124,40 +141,91 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
         view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, host=True)
         return save(path, view.params, view.state, step=step, order=view.order, world_size=world_size or view.world_size,
                     stage=stage, optimizer=optimizer, hyperparameters=hyperparameters, metadata=metadata,
-                    buffers=buffers, state=state, **caps)
+                    buffers=buffers, state=state, timeout_s=timeout_s, **caps)
     layout = _layout(params, order, caps)
-    names = [s.name for s in layout.plan.specs]
-    host_params = [_host(p) for p in layout.spec_arrays(params)]
+    host_params = [to_storage(_host(p)) for p in layout.spec_arrays(params)]
     extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
                   run_state={"state": check_json(dict(state), "state")} if state is not None else {})
-    if opt_state is None:
-        return save_arrays(path, dict(zip(names, host_params)), world_size=world_size or 1, step=step,
-                           plan=layout.plan, stage=stage, framework="jax", **extras)
-    node, zero = _slot_node(opt_state)
-    slots = _SLOTS[type(node)]
-    count = int(_host(node.count)) if "count" in node._fields else int(step)  # TraceState: tuple.count is a method
-    info = OptimizerInfo(optimizer or ("adam" if "nu" in slots else "sgd"), slots, count, dict(hyperparameters or {}))
+    info, slots, zero = None, {}, None
+    if opt_state is not None:
+        node, zero = _slot_node(opt_state)
+        kinds = _SLOTS[type(node)]
+        count = int(_host(node.count)) if "count" in node._fields else int(step)  # TraceState: tuple.count is a method
+        info = OptimizerInfo(optimizer or ("adam" if "nu" in kinds else "sgd"), kinds, count,
+                             dict(hyperparameters or {}))
+        slots = {s: getattr(node, s) for s in kinds}
+    common = dict(plan=layout.plan, step=step, stage=stage, optimizer=info, **extras)
     if zero is None:
-        values = {s: dict(zip(names, (_host(a) for a in layout.spec_arrays(getattr(node, s))))) for s in slots}
-        return save_arrays(path, dict(zip(names, host_params)), world_size=world_size or 1, step=step, slots=values,
-                           optimizer=info, plan=layout.plan, stage=stage, framework="jax", **extras)
-    n = _world_of(getattr(node, slots[0])[0])
+        # Unsharded: whole arrays (replicated), cut into world_size files.
+        arrays = {"params": host_params,
+                  **{s: [to_storage(_host(a)) for a in layout.spec_arrays(v)] for s, v in slots.items()}}
+        world_size = world_size or 1
+        if jax.process_count() > 1:  # the files are dealt out to the processes
+            mine = [r for r in range(world_size) if r % jax.process_count() == jax.process_index()]
+            return save_from_processes(path, world_size=world_size, ranks=mine, arrays=arrays, timeout_s=timeout_s,
+                                       **common)
+        return save_sharded(path, world_size=world_size, arrays=arrays, framework="jax", **common)
+    n = _world_of(slots[info.slots[0]][0])
     if world_size not in (None, n):
         raise ValueError(f"save: world_size={world_size}, but the zero state is sharded over {n} devices")
     _check_zero(zero, layout, n)
-    flats = {s: [to_storage(_host(a)) for a in getattr(node, s)] for s in slots}
-    return save_sharded(path, plan=layout.plan, world_size=n, flats=flats,
-                        arrays={"params": [to_storage(a) for a in host_params]}, framework="jax", step=step,
-                        stage=stage, optimizer=info, **extras)
+    if jax.process_count() > 1:  # each process writes the files of the devices it holds
+        flats = _local_slices(slots, n)
+        return save_from_processes(path, world_size=n, ranks=sorted(flats), flat_kinds=info.slots, flats=flats,
+                                   arrays={"params": host_params}, timeout_s=timeout_s, **common)
+    flats = {s: [to_storage(_host(a)) for a in v] for s, v in slots.items()}
+    return save_sharded(path, world_size=n, flats=flats, arrays={"params": host_params}, framework="jax", **common)
+
+
+def _local_slices(slots: dict[str, tuple], n: int) -> dict[int, dict[str, list[np.ndarray]]]:
+    """This process's slices of zero's padded flat buckets: ``{rank: {slot: [slice of bucket b]}}``
+    for the ranks whose slice it holds as replica 0 (a slice on several devices is written once)."""
+    out: dict[int, dict[str, list[np.ndarray]]] = {}
+    for slot, flats in slots.items():
+        for flat in flats:
+            for shard in flat.addressable_shards:
+                if shard.replica_id == 0:
+                    mine = out.setdefault(_rank(shard.index, flat, n), {})
+                    mine.setdefault(slot, []).append(to_storage(np.asarray(shard.data)))
+    # zero's flats share one sharding, so the process holding a rank's slice holds all of them
+    assert all(set(mine) == set(slots) and all(len(mine[s]) == len(slots[s]) for s in slots)
+               for mine in out.values()), "zero's flat buckets are sharded alike"
+    return out
+
+
+def _as_dtype(value: np.ndarray, old) -> np.ndarray:
+    """``value`` (stored dtype: bfloat16 as its bits) in ``old``'s dtype."""
+    value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
+    return value.astype(old.dtype, copy=False)
 
 
 def _like(value: np.ndarray, old):
-    """``value`` (stored dtype) as an array of ``old``'s dtype, placed as ``old`` is."""
-    value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
-    value = value.astype(old.dtype, copy=False).reshape(old.shape)
+    """``value`` (stored dtype, the whole array) as an array of ``old``'s dtype, placed as ``old`` is."""
+    value = _as_dtype(value, old).reshape(old.shape)
     if isinstance(old, jax.Array) and old.committed:
-        return jax.device_put(value, old.sharding)
+        if old.is_fully_addressable:
+            return jax.device_put(value, old.sharding)
+        # Other processes hold the rest of the mesh: this one places what its devices hold.
+        return jax.make_array_from_callback(old.shape, old.sharding, lambda index: value[index])
     return jnp.asarray(value)  # uncommitted, as the given array was: jit places it
+
+
+def _rank(index: tuple[slice, ...], flat, n: int) -> int:
+    """The rank whose slice of zero's padded flat bucket ``flat`` (over ``n`` devices) is ``index``."""
+    return (index[0].start or 0) // (flat.shape[0] // n)
+
+
+def _ranks_here(flat, n: int) -> set[int]:
+    """The ranks whose slice of a zero flat bucket this process's devices hold."""
+    return {_rank(index, flat, n) for index in flat.sharding.addressable_devices_indices_map(flat.shape).values()}
+
+
+def _from_slices(old, n: int, slices: dict[int, np.ndarray]):
+    """A zero flat bucket placed as ``old``, each device given its rank's slice (``slices[rank]``)."""
+    def data(index):
+        return _as_dtype(slices[_rank(index, old, n)], old)
+
+    return jax.make_array_from_callback(old.shape, old.sharding, data)
 
 
 def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
@@ -170,7 +238,8 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     size to load into: pass what ``init`` made. Every file is verified and every tensor matched by
     name, shape and dtype before anything is built; a bad checkpoint raises
     :class:`~hybrid.checkpoint.CheckpointError` naming the file. With ``opt_state=None`` only the
-    parameters are loaded.
+    parameters are loaded. Under ``jax.distributed`` every process calls it (no communication):
+    each builds the global arrays from the zero slices of its own devices, read alone.
 
     With ``mapping`` (a ``hybrid.core.ParamMapping`` or ``ParamPairing``) the checkpoint holds
     torch's names and layouts (a torch save, or a JAX save with the same mapping): each tensor is
@@ -259,9 +328,11 @@ def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
         _check_zero(zero, layout, n)
         plan = ckpt.reshard_to(shard_flat(layout.plan, n))
         for s in slots:
-            per_rank = [ckpt.slices(s, plan, r) for r in range(n)]
-            values[s] = tuple(_like(np.concatenate([per_rank[r][b] for r in range(n)]), old)
-                              for b, old in enumerate(getattr(node, s)))
+            olds = getattr(node, s)
+            # Each process reads only the slices of the ranks its devices hold.
+            per_rank = {r: ckpt.slices(s, plan, r) for r in sorted(_ranks_here(olds[0], n))}
+            values[s] = tuple(_from_slices(old, n, {r: v[b] for r, v in per_rank.items()})
+                              for b, old in enumerate(olds))
 
     def replace(x):
         if x is node:
