@@ -91,7 +91,7 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
          stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
          metadata: dict | None = None, buffers=None, state: dict | None = None, mapping=None,
-         timeout_s: float = 300.0) -> Manifest:
+         timeout_s: float = 60.0) -> Manifest:
     """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
 
     With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
@@ -127,7 +127,9 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
         checkpoint as its own. A zero state is gathered and written as whole tensors, in as many
         files as it has devices. Buffers keep their JAX names.
       timeout_s: with several processes, how long the save may wait for the others (the slowest
-        process's write included); unused in one process.
+        process's write included); unused in one process. The default, 60 s, stays below
+        ``jax.distributed``'s heartbeat timeout (100 s), so a process that died is named by this
+        save's error before JAX terminates the job; raise both for shards that take longer to write.
 
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
