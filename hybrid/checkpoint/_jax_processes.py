@@ -76,9 +76,27 @@ class _Agreement:
                              f"coordination service, which runs in process 0 (did process 0 die?)", e) from None
 
     def fail(self, name: str, error: BaseException) -> None:
-        """Post ``error`` in place of ``name``'s value, so the processes waiting for it raise now."""
+        """Post ``error`` in place of ``name``'s value, so the processes waiting for it raise now.
+
+        Process 0 then waits a little for the others to say they read it: the coordination
+        service lives in process 0, and if it exits (its error ends the script) before they have
+        read the error, JAX terminates them instead of letting them raise it.
+        """
         text = str(error).removeprefix(f"saving checkpoint {self.path}: ")
         self.post(name, {"error": f"process {jax.process_index()}: {type(error).__name__}: {text}"})
+        if jax.process_index() == 0:
+            self._linger()
+
+    def _linger(self) -> None:
+        end = time.monotonic() + min(GRACE_S, max(self.deadline - time.monotonic(), 0.0) + 1.0)
+        for p in range(1, jax.process_count()):
+            ms = int((end - time.monotonic()) * 1000)
+            if ms <= 0:
+                return
+            try:
+                self.client.blocking_key_value_get(f"{self.key}/read-error/{p}", ms)
+            except jax.errors.JaxRuntimeError:
+                return  # that process died or is still busy: it will meet the deadline or the error later
 
     def error(self, what: str, cause=None) -> RuntimeError:
         tail = f". Cause: {str(cause).splitlines()[0]}" if cause is not None else ""  # gRPC adds lines of detail
@@ -97,6 +115,11 @@ class _Agreement:
                              f"{self.timeout_s:g} s (it died, stalled, or did not call save: every process "
                              f"must call it with the same arguments); {after}", e) from None
         if "error" in value:
+            if jax.process_index() != 0:
+                try:  # tell process 0 it can go (see fail)
+                    self.client.key_value_set(f"{self.key}/read-error/{jax.process_index()}", "1")
+                except jax.errors.JaxRuntimeError:
+                    pass
             raise self.error(value["error"])
         return value
 
