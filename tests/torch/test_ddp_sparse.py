@@ -17,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import _workers_sparse  # noqa: E402
 from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds, _free_port, side_by_side_results as _results  # noqa: E402
+from test_ddp_logging import assert_error_logged_like_torch  # noqa: E402
 from test_ddp_logging import assert_like_torch as assert_logging_like_torch  # noqa: E402
 
 import hybrid.torch._ddp_sparse  # noqa: E402
@@ -111,6 +112,15 @@ ERRORS = {
     # The graph changed under static_graph: caught at the next forward, as for dense parameters.
     "unused_static": ("RuntimeError", "Expected to have finished reduction in the prior iteration", "emb.weight"),
 }
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", sorted(_workers_sparse.ERROR_LOGS))
+def test_misuse_logged_like_torch(runs, world, case):
+    # The errors torch's reducer logs (has_error, error, iteration), logged by ours; the others
+    # (raised by ATen or pybind) logged by neither.
+    for ref, ours in _results(runs, world, case):
+        assert_error_logged_like_torch(ours, ref, case)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
