@@ -229,6 +229,10 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         # issues the matching ones in the same order.
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:
+            self._log_runtime_stats()  # of the iterations before this one, as torch logs them
+            self._iteration += 1  # torch's reducer counts the iteration here (prepare_for_forward)
+            if self.logger.should_collect(self._iteration):
+                self.logger.record("forward_start")
             self._ensure_prior_reduction_finished()
         work = Join.notify_join_context(self)
         if work is not None:
@@ -253,15 +257,18 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         # torch's: a forward without backward sync (no_sync(), no_grad) skips the next buffer sync.
         self.require_forward_param_sync = grad_sync
         if grad_sync:
+            if self.logger.should_collect(self._iteration):
+                self.logger.record("backward_compute_start")
             self._state = self._start_state
-            self._iteration += 1
             self._delaying = self.static_graph and self._static_unused is None
             self._futures = []
+            self._num_buckets_reduced = 0
             self._pending_unused = ()
             self._undefined_now = set()
             if self.find_unused_parameters and not self.static_graph:
                 reach = _reachable_params(out)
                 self._pending_unused = tuple(i for i, p in enumerate(self._params) if id(p) not in reach)
+                self._note_unused(self._pending_unused)
             elif self.static_graph and self._static_unused is not None:
                 self._pending_unused = self._static_unused  # found in the first iteration
             self._expect_hooks = True
@@ -284,9 +291,9 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
     def _ensure_prior_reduction_finished(self):
         state = self._state
         if self._expect_hooks and state is not None and state.started and not state.finished:
-            raise RuntimeError(unfinished_reduction_message(
+            raise self._logged(RuntimeError(unfinished_reduction_message(
                 self._rank, state.missing(), self._names, static_graph=self.static_graph,
-                find_unused_parameters=self.find_unused_parameters))
+                find_unused_parameters=self.find_unused_parameters)))
 
     # ---- backward ---------------------------------------------------------------------------
 
@@ -303,9 +310,15 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Use ``hook(state, bucket) -> Future`` instead of the built-in all-reduce (torch's protocol)."""
         if not callable(hook):
-            raise TypeError("Communication hook must be callable.")
+            raise self._logged(TypeError("Communication hook must be callable."), python=True)
+        self.logger.set_comm_hook(hook.__qualname__)  # torch logs it before its once-only check
+        self._set_comm_hook(state, hook)
+
+    def _set_comm_hook(self, state: object, hook: Callable, *, builtin: bool = False) -> None:
         if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+            # torch's reducer names the method called first.
+            names = ["register_comm_hook", "register_builtin_comm_hook"][::-1 if builtin else 1]
+            raise self._logged(RuntimeError(f"{names[0]} or {names[1]} can only be called once."))
         self._comm_hook = (state, hook)
         self._update_copy_policy()
 

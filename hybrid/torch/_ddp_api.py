@@ -1,12 +1,11 @@
 """torch's smaller ``DistributedDataParallel`` methods that trainers call after construction:
 ``_set_static_graph``, ``_register_builtin_comm_hook``, ``_register_fused_optim``,
-``will_sync_module_buffers``, ``_get_ddp_logging_data``; and the process group a ``device_mesh``
-stands for."""
+``will_sync_module_buffers``, ``_get_ddp_logging_data`` (with what feeds its logger); and the
+process group a ``device_mesh`` stands for."""
 
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
@@ -17,17 +16,12 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from hybrid.core import plan_buckets
-from hybrid.torch._ddp_parts import specs
+from hybrid.torch._ddp_logging import DDPLogger, nbytes
 
 # torch's C++ built-in hooks and the Python hooks that compute the same thing: divide by the
 # world size, then all-reduce (FP16_COMPRESS: in float16, decompressed into the bucket).
 _BUILTIN_HOOKS = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
                   dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
-
-# c10's dtype names, as torch's logger spells them in "dtypes".
-_C10_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
-              torch.bfloat16: "c10::BFloat16"}
 
 
 class TorchMethods:
@@ -64,10 +58,11 @@ class TorchMethods:
             return
         if self._iteration > 0:
             # torch also raises here (from its C++ reducer), though it has flipped its Python flag.
-            raise RuntimeError("set_static_graph() should be called before training loop starts and "
-                               "after DistributedDataParallel is constructed.")
+            raise self._logged(RuntimeError("set_static_graph() should be called before training loop starts "
+                                            "and after DistributedDataParallel is constructed."))
         self.static_graph = True
         self._layout_settings["static_graph"] = True
+        self.logger.set_static_graph()
         if self.find_unused_parameters:
             warnings.warn(
                 "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
@@ -81,7 +76,8 @@ class TorchMethods:
         if comm_hook_type not in _BUILTIN_HOOKS:
             raise ValueError(f"Unknown built-in DDP comm hook type {comm_hook_type!r}; expected one of "
                              f"{sorted(map(str, _BUILTIN_HOOKS))}")
-        self.register_comm_hook(self.process_group, _BUILTIN_HOOKS[comm_hook_type])
+        self.logger.set_comm_hook(str(comm_hook_type))  # torch logs the type, before its once-only check
+        self._set_comm_hook(self.process_group, _BUILTIN_HOOKS[comm_hook_type], builtin=True)
 
     def _register_fused_optim(self, optim, *args, optim_params=None, **kwargs) -> None:
         """Step ``optim`` (a ``torch.optim`` class; ``args`` / ``kwargs`` its settings) on each
@@ -107,31 +103,73 @@ class TorchMethods:
         """Whether the next forward broadcasts the module's buffers (torch's rule)."""
         return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync)
 
+    # ---- logging data (hybrid/torch/_ddp_logging.py keeps it as torch's C++ Logger) ------------
+
+    logger: DDPLogger | None = None  # torch's: None where no reducer is built (every parameter delayed)
+
     def _get_ddp_logging_data(self) -> dict:
-        """The construction-time part of torch's logging data, with torch's keys and formats
-        (runtime timings and sampled per-iteration stats are not collected)."""
-        cap_mb = self._layout_settings["bucket_cap_mb"]
-        return {
-            "backend_name": dist.get_backend(self.process_group),
-            # The buckets built at construction, as torch logs them (ddp.bucket_plan: those in use).
-            "bucket_sizes": ", ".join(str(b.nbytes) for b in plan_buckets(
-                specs(self.module, self.parameters_to_ignore), size_limits=self._initial_limits).buckets),
-            "device_ids": ", ".join(map(str, self.device_ids or [])),
-            "dtypes": ", ".join(sorted({_C10_NAMES.get(p.dtype, str(p.dtype)) for p in self._params})),
-            "module_name": type(self.module).__name__,
-            "broadcast_buffers": int(self.forward_sync_buffers),
-            "bucket_cap_bytes": 25 * 1024 * 1024 if cap_mb is None else
-            (sys.maxsize if cap_mb < 0 else int(cap_mb * 1024 * 1024)),
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())),
-            "is_multi_device_module": 0,
-            "num_parameter_tensors": len(self._params),
-            "output_device": -1 if self.output_device is None else int(self.output_device),
-            "rank": self._rank,
-            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self._params),
-            "world_size": self._world,
-        }
+        """torch's logging data, same keys, values and moments (hybrid/torch/_ddp_logging.py)."""
+        if self.logger is None:
+            raise AssertionError("self.logger must not be None")
+        return self.logger.data()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Sample runtime stats every ``sample_rate`` iterations after the tenth (default 100)."""
+        if sample_rate < 1:
+            raise self._logged(ValueError("DDP runtime logging sample rate should be equal or greater than 1"),
+                               python=True)
+        self.logger.sample_rate = sample_rate
+
+    def _logged(self, error: Exception, *, python: bool = False) -> Exception:
+        """``error``, first recorded as torch records the errors its DDP raises after construction:
+        ``has_error``, the text (prefixed with the type for those torch raises from Python) and the
+        current iteration count."""
+        if self.logger is not None:
+            self.logger.set_error_and_log(f"{type(error)}: {error}" if python else str(error),
+                                          iteration=self._iteration)
+        return error
+
+    def _buckets_in_bytes(self) -> tuple[list[int], list[list[int]]]:
+        """The buckets in use: each one's parameter bytes and its members (torch's logger's view)."""
+        members = self.bucket_plan.bucket_indices()
+        return [sum(nbytes(self._params[m]) for m in ms) for ms in members], members
+
+    def _log_construction(self) -> None:
+        """A fresh logger, filled as torch's ``_ddp_init_helper`` fills it."""
+        # torch's bucket_bytes_cap: the largest cap of a list, and a negative cap as it is.
+        caps_mb = self._layout_settings["bucket_cap_mb_list"] or [self._layout_settings["bucket_cap_mb"]]
+        cap_mb = 25 if caps_mb == [None] else max(caps_mb)
+        self.logger = DDPLogger()
+        self.logger.set_construction_data(
+            module_name=type(self.module).__name__, device_ids=self.device_ids, output_device=self.output_device,
+            broadcast_buffers=self.forward_sync_buffers,
+            has_sync_bn=any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules()),
+            static_graph=self.static_graph, process_group=self.process_group, params=self._params,
+            bucket_sizes=self._buckets_in_bytes()[0], bucket_cap_bytes=int(cap_mb * 1024 * 1024),
+            find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view)
+
+    def _log_runtime_stats(self) -> None:
+        """At a synchronizing forward, before it counts: the last synchronizing iteration's facts
+        (torch's ``set_runtime_stats_and_log``; only sampled iterations are logged)."""
+        if not self.logger.should_collect(self._iteration):
+            return
+        state = self._state
+        # torch logs the order its gradient hooks fired in: not the unused parameters it marks
+        # ready itself, and nothing for static_graph's first (delayed) iteration.
+        order = () if state is None or self._delaying else [i for i in state.ready_order if i not in state.unused]
+        self.logger.set_runtime_stats_and_log(
+            iteration=self._iteration, num_buckets_reduced=self._num_buckets_reduced,
+            unused_parameter_size=sum(nbytes(self._params[i]) for i in self._pending_unused),
+            has_rebuilt_buckets=self._has_rebuilt, buckets=self._buckets_in_bytes, grad_ready_order=order)
+
+    def _note_unused(self, unused: tuple[int, ...]) -> None:
+        """find_unused_parameters without static_graph: the unused parameters this iteration found.
+        torch logs ``can_set_static_graph`` = 0 (once per process) when they first change."""
+        if self._graph_static:
+            if self._iteration > 1 and unused != self._prev_unused:
+                self._graph_static = False
+                self.logger.log_if_graph_static(False, iteration=self._iteration)
+            self._prev_unused = unused
 
 
 def process_group_for(process_group, device_mesh, module):

@@ -13,6 +13,7 @@ class _JoinHook(JoinHook):
     def __init__(self, ddp, divide_by_initial_world_size: bool):
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp.logger.set_uneven_input_join()
 
     def main_hook(self):
         # Same collectives, same order, as one forward + backward of a rank that still steps.
@@ -24,14 +25,20 @@ class _JoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
+        buckets = range(len(ddp._bufs))
+        if ddp.skip_all_reduce_unused_params:
+            # The ranks still training skip each bucket whose parameters all went unused: the same
+            # ones on every rank (the flag's promise), so this rank's last iteration names them.
+            unused = set(ddp._pending_unused)
+            buckets = [b for b in buckets if not unused.issuperset(ddp.bucket_plan.buckets[b].members)]
         if ddp._comm_hook is None:
-            works = [dist.all_reduce(torch.zeros_like(buf), group=ddp.process_group, async_op=True)
-                     for buf in ddp._bufs]
+            works = [dist.all_reduce(torch.zeros_like(ddp._bufs[b]), group=ddp.process_group, async_op=True)
+                     for b in buckets]
         else:
             # torch's _match_all_reduce_for_bwd_pass: the hook runs on zero buckets, so that a
             # hook whose collectives are not one all-reduce of the bucket (fp16 compression,
             # PowerSGD, ZeRO2's reduce-scatter) is matched collective for collective.
-            works = [ddp._run_comm_hook(b, torch.zeros_like(buf)) for b, buf in enumerate(ddp._bufs)]
+            works = [ddp._run_comm_hook(b, torch.zeros_like(ddp._bufs[b])) for b in buckets]
         for w in works:
             w.wait()
         if ddp.find_unused_parameters and not ddp.static_graph and not ddp.skip_all_reduce_unused_params:

@@ -18,7 +18,8 @@ _DROPPED = frozenset({
     "_comm_hook", "_has_rebuilt", "_last_order", "_expect_hooks", "_state", "_start_state",
     "_static_unused", "_static_globally_unused", "_futures", "_used_work", "_local_used",
     "_pending_unused", "_used_in_window", "_undefined_now", "bucket_plan", "_bufs", "_views", "_bucket_is_last",
-    "_scaled_in", "_kernel_copy", "_fuse_at_hook", "_sparse_metadata", "_installed_futures"})
+    "_scaled_in", "_kernel_copy", "_fuse_at_hook", "_sparse_metadata", "_installed_futures",
+    "logger", "_num_buckets_reduced", "_graph_static", "_prev_unused"})
 
 
 def _uses_default_group(ddp) -> bool:
@@ -33,10 +34,10 @@ class Pickling:
 
     def __getstate__(self):
         if not _uses_default_group(self):
-            raise RuntimeError(
+            raise self._logged(RuntimeError(
                 "DDP Pickling/Unpickling are only supported when using DDP with the default process "
                 "group. That is, when you have called init_process_group and have not passed "
-                "process_group argument to DDP constructor")
+                "process_group argument to DDP constructor"), python=True)
         return {k: v for k, v in self.__dict__.items() if k not in _DROPPED}
 
     def __setstate__(self, state):

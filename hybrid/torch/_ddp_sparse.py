@@ -74,15 +74,15 @@ class SparseBuckets:
         param = self._params[i]
         grad = param.grad
         if grad is None:
-            raise RuntimeError(
+            raise self._logged(RuntimeError(
                 f"Expected sparse gradient to be defined. (parameter {self._names[i]!r} got no gradient "
                 "in this iteration: DistributedDataParallel cannot reduce an unused sparse parameter; "
-                "use it on every rank in every iteration, or build its module with sparse=False)")
+                "use it on every rank in every iteration, or build its module with sparse=False)"))
         if grad.layout != torch.sparse_coo:
-            raise RuntimeError(
+            raise self._logged(RuntimeError(
                 f"Expected variable to have sparse gradient. (parameter {self._names[i]!r} belongs to a "
                 f"module with sparse=True but received a {grad.layout} gradient: it is used outside its "
-                "embedding lookup, e.g. shared with another layer; build that module with sparse=False)")
+                "embedding lookup, e.g. shared with another layer; build that module with sparse=False)"))
         if self._sparse_metadata is not None:
             # Row ids become positions in the global ids; the gradient is replaced (torch's too).
             grad = grad.coalesce()
@@ -101,7 +101,7 @@ class SparseBuckets:
         """Parameter ``i``'s global ids as a ``(1, K)`` int64 tensor (torch's sparse_tensor_indices)."""
         ids = self._sparse_metadata.get(self._names[i])
         if ids is None:
-            raise RuntimeError(f"param: {self._names[i]} not found in sparse metadata")
+            raise self._logged(RuntimeError(f"param: {self._names[i]} not found in sparse metadata"))
         return ids.to(torch.long).unsqueeze(0).to(device)
 
     def _finish_sparse(self, b: int, value: torch.Tensor) -> None:
@@ -111,7 +111,7 @@ class SparseBuckets:
             (i,) = self.bucket_plan.buckets[b].members
             ids = self._metadata_ids(i, grad.device)
             if ids.numel() != grad.size(0):
-                raise RuntimeError("Sparse metadata and gradient size mismatch")
+                raise self._logged(RuntimeError("Sparse metadata and gradient size mismatch"))
             value = torch.sparse_coo_tensor(ids, value, grad.size())
         if value is not grad:
             grad.copy_(value)

@@ -49,7 +49,11 @@ class Reducer:
         self._used_work = None
         self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
         self._undefined_now: set[int] = set()  # hooks that fired with .grad None (find_unused)
+        self._pending_unused: tuple[int, ...] = ()  # unused in this iteration, marked ready by us
+        self._num_buckets_reduced = 0  # in the last synchronizing backward (torch's, for its logger)
+        self._graph_static, self._prev_unused = True, None  # whether the unused set ever changed
         self._set_plan(plan_buckets(self._bucket_specs(), size_limits=self._initial_limits))
+        self._log_construction()
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
@@ -75,10 +79,10 @@ class Reducer:
         if not state.num_ready:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if self._static_unused is not None and index in self._static_unused:
-            raise RuntimeError(
+            raise self._logged(RuntimeError(
                 "Your training graph has changed in this iteration, e.g., one parameter is unused in "
                 "first iteration, but then got used in the second iteration. this is not compatible "
-                f"with static_graph set to True. Parameter: {self._names[index]}")
+                f"with static_graph set to True. Parameter: {self._names[index]}"))
         if self.find_unused_parameters and param.grad is None:
             # Behind an output the loss left out (it came through the sink with no gradient):
             # locally unused, as torch's reducer decides from an undefined .grad.
@@ -96,7 +100,7 @@ class Reducer:
             state, launch = mark_ready(state, index)
         except RuntimeError:
             if state.ready_order and index in state.ready_order:
-                raise RuntimeError(marked_twice_message(index, self._names[index])) from None
+                raise self._logged(RuntimeError(marked_twice_message(index, self._names[index]))) from None
             raise
         if self._delaying:
             # static_graph's first iteration: only record; _finalize reduces everything at the end
@@ -108,8 +112,8 @@ class Reducer:
             launch += more
         # object.__setattr__: nn.Module.__setattr__ costs microseconds per call, once per gradient.
         object.__setattr__(self, "_state", state)
-        for b in launch:
-            self._launch(b)
+        if launch:
+            self._launch_ready(launch, state)
         if launch and state.finished and self.find_unused_parameters and not self.static_graph:
             # torch all-reduces the local-used map right after the last bucket launches.
             used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
@@ -119,6 +123,21 @@ class Reducer:
             self._local_used = used
             if not self.skip_all_reduce_unused_params:
                 self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
+
+    def _launch_ready(self, launch: tuple[int, ...], state: ReducerState) -> None:
+        """Reduce the buckets that just became ready, in order (torch's mark_bucket_ready), but
+        with skip_all_reduce_unused_params a bucket whose parameters all went unused: its slot in
+        ``_futures`` stays None and its gradients untouched, as torch skips it."""
+        if launch[0] == 0 and self.logger.should_collect(self._iteration):
+            self.logger.record("backward_comm_start")  # the first bucket is ready
+        reduced = 0
+        for b in launch:
+            if self.skip_all_reduce_unused_params and state.unused.issuperset(self.bucket_plan.buckets[b].members):
+                self._futures.append(None)
+                continue
+            self._launch(b)
+            reduced += 1
+        object.__setattr__(self, "_num_buckets_reduced", self._num_buckets_reduced + reduced)
 
     # From this many elements on, scaling while copying in the hook (one pass over memory, torch's
     # mul_out) beats a batched copy and a multiply at launch; below it per-call overhead dominates.
@@ -194,8 +213,12 @@ class Reducer:
 
     def _finalize(self) -> None:
         state = self._state
-        if self.static_graph and self._static_unused is None:
-            state = self._delay_all_reduce(state)
+        timed = self.logger.should_collect(self._iteration)
+        delayed = self.static_graph and self._static_unused is None
+        if delayed:
+            state = self._delay_all_reduce(state, timed)
+        elif state.finished and timed:
+            self.logger.record("backward_compute_end")
         if not state.finished:
             return  # reported by the next forward, as torch does
         # Without unused parameters, each bucket's gradients are written back as soon as that
@@ -203,7 +226,10 @@ class Reducer:
         # order); with unused ones, which to skip is known only once every bucket is in.
         unused = set(state.unused).union(self._undefined_now) if self._undefined_now else state.unused
         stream = not unused and not self._comm_hook_owns_grads and not self._grads_in_buckets
+        skipped = {b for b, fut in enumerate(self._futures) if fut is None}
         for b, fut in enumerate(self._futures):
+            if fut is None:
+                continue  # skipped: its parameters all went unused (skip_all_reduce_unused_params)
             with naming(f"DistributedDataParallel backward: the {self._reduction_name} of gradient bucket {b}",
                         user_code=self._comm_hook is not None):
                 value = fut.wait()
@@ -232,21 +258,28 @@ class Reducer:
         if stream or self._comm_hook_owns_grads:
             pass
         elif self._grads_in_buckets:
+            keep = globally_unused.union(*(self.bucket_plan.buckets[b].members for b in skipped))
             for i, (p, view) in enumerate(zip(self._params, self._views)):
                 if view is None:
                     continue  # a sparse gradient: reduced in place, never a bucket view (as torch)
-                if i not in globally_unused and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
+                if i not in keep and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                     p.grad = view
         else:
             for b in range(len(self.bucket_plan.buckets)):
-                self._write_back(b, globally_unused)
-        if self._last_order is None:
-            self._last_order = tuple(i for i in state.ready_order if i not in state.unused) \
-                if self.static_graph else state.ready_order
+                if b not in skipped:
+                    self._write_back(b, globally_unused)
+        if self._last_order is None and not delayed:
+            # The order the next forward rebuilds the buckets from. torch's static_graph records it
+            # in its second iteration (the first one's hooks only count), the unused parameters
+            # last, by index.
+            self._last_order = state.ready_order if not self.static_graph else (
+                tuple(i for i in state.ready_order if i not in state.unused) + tuple(sorted(state.unused)))
         self._futures = []
         self._used_in_window.clear()
         self._undefined_now = set()
         self._expect_hooks = False
+        if timed:
+            self.logger.record("backward_comm_end")
 
     @property
     def _reduction_name(self) -> str:
@@ -275,8 +308,12 @@ class Reducer:
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def _delay_all_reduce(self, state: ReducerState) -> ReducerState:
-        """static_graph, first iteration: unused = no hook fired; then every bucket, in order."""
+    def _delay_all_reduce(self, state: ReducerState, timed: bool) -> ReducerState:
+        """static_graph, first iteration: unused = no hook fired; then every bucket, in order
+        (not counted in ``num_buckets_reduced``, as torch's delay_all_reduce does not count them)."""
+        if timed:
+            self.logger.record("backward_compute_end")
+            self.logger.record("backward_comm_start")
         unused = state.missing()
         state, _ = mark_unused(state, unused)
         self._static_unused = unused

@@ -11,6 +11,7 @@ import pickle
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from _workers import MLP, ConvBN, Unused, _data, _init, _loss, side_by_side  # noqa: F401 - Unused for the test
 
@@ -139,6 +140,21 @@ def skip_unused(cls, rank, world, kwargs):
     return _train(ddp, rank, "unused", extra=False)
 
 
+def join_unused(cls, rank, world, skip):
+    """Uneven inputs (rank r takes 3 + r steps) under join(), the same parameters unused on every
+    rank, small buckets: with ``skip``, two buckets are not all-reduced, by the joined ranks
+    either. torch's joined ranks all-reduce every bucket, which the skipping ranks do not match:
+    ours is compared with torch's run without skip (the same averages)."""
+    if skip and cls is TorchDDP:
+        return None
+    ddp = cls(_model("unused", rank), find_unused_parameters=True, skip_all_reduce_unused_params=skip,
+              bucket_cap_mb=0.0005)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with ddp.join():
+        grads = [_step(ddp, opt, rank, step, "unused", extra=False) for step in range(3 + rank)]
+    return {"params": [p.detach().clone() for p in ddp.module.parameters()], "grads": grads}
+
+
 def logging_data(cls, rank, world, kwargs):
     ddp = cls(_model("wide", rank), **kwargs)
     before = ddp._get_ddp_logging_data()
@@ -165,6 +181,11 @@ CASES = {
     "will_sync": (will_sync, ()),
     "skip_unused": (skip_unused, ({},)),
     "skip_unused_view": (skip_unused, ({"gradient_as_bucket_view": True},)),
+    # Small buckets: two hold only unused parameters, so torch skips their all-reduce.
+    "skip_unused_buckets": (skip_unused, ({"bucket_cap_mb": 0.0005},)),
+    "skip_unused_buckets_view": (skip_unused, ({"bucket_cap_mb": 0.0005, "gradient_as_bucket_view": True},)),
+    "join_unused": (join_unused, (False,)),
+    "join_skip_unused": (join_unused, (True,)),
     "logging": (logging_data, ({"bucket_cap_mb": 0.004},)),
     "logging_defaults": (logging_data, ({},)),
     "no_sync_unused_view": (no_sync_unused, ({"gradient_as_bucket_view": True},)),

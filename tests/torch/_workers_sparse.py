@@ -218,6 +218,30 @@ CASES = {
 }
 
 
+def error_log(cls, rank, world, case):
+    """Case ``case``, which raises, with ``cls`` recording the DDP it builds: the error and that
+    DDP's logging data after it."""
+    made = []
+
+    class Recorded(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    fn, args = CASES[case]
+    try:
+        fn(Recorded, rank, world, *args)
+    except Exception as e:  # noqa: BLE001 - compared with torch's by the test
+        return {"error": str(e), "log": made[-1]._get_ddp_logging_data()}
+    raise AssertionError(f"{case} raised nothing")
+
+
+ERROR_LOGS = {f"log_{case}": (error_log, (case,)) for case in (
+    "unused_find_unused", "unused_static_first", "dense_into_sparse", "sparse_into_dense", "metadata_once",
+    "metadata_default_hook", "metadata_partial", "metadata_missing", "metadata_not_a_dict", "unused_static")}
+CASES.update(ERROR_LOGS)
+
+
 def sparse_worker(rank, world, port, outdir, case_names):
     _init(rank, world, port, timeout_s=int(os.environ.get("HYBRID_TEST_PG_TIMEOUT", "30")))
     results = {name: side_by_side(CASES[name][0], rank, world, *CASES[name][1]) for name in case_names}

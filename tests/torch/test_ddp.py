@@ -60,6 +60,17 @@ def close_nested(a, b):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
+def side_by_side_results(runs, world, case, labels=("torch", "hybrid")):
+    """Per rank, the results of ``labels`` in a case run by ``_workers.side_by_side`` (a tuple,
+    in the order of ``labels``); each must have run without error."""
+    out = []
+    for res in runs[world]:
+        for label in labels:
+            assert "error" not in res[case][label], f"{label}:\n{res[case][label].get('traceback')}"
+        out.append(tuple(res[case][label]["result"] for label in labels))
+    return out
+
+
 class LazyWorlds(dict):
     """Every case of one world size run in one spawn when a test first asks for that world (so each
     spawn counts against one test's timeout, not all three against the first): ``self[world]`` is

@@ -17,22 +17,12 @@ from hybrid.torch import DistributedDataParallel as HybridDDP
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workers_api  # noqa: E402
-from test_ddp import WORLD_SIZES, LazyWorlds, close_nested as _close  # noqa: E402
+from test_ddp import WORLD_SIZES, LazyWorlds, close_nested as _close, side_by_side_results as _results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def runs():
     return LazyWorlds(_workers_api.api_worker, _workers_api.CASES, "api")
-
-
-def _results(runs, world, case, labels=("torch", "hybrid")):
-    """Per rank, the results of ``labels``; each must have run without error."""
-    out = []
-    for res in runs[world]:
-        for label in labels:
-            assert "error" not in res[case][label], f"{label}:\n{res[case][label].get('traceback')}"
-        out.append([res[case][label]["result"] for label in labels])
-    return out
 
 
 def _errors(runs, world, case):

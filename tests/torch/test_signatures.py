@@ -27,6 +27,7 @@ def test_constructor_matches_torch(ours, theirs):
 def test_ddp_public_methods_exist_like_torch():
     wanted = ["no_sync", "join", "join_hook", "register_comm_hook", "forward", "state_dict",
               "load_state_dict", "named_parameters", "_set_static_graph", "_register_builtin_comm_hook",
-              "will_sync_module_buffers", "_get_ddp_logging_data", "__getstate__", "__setstate__"]
+              "will_sync_module_buffers", "_get_ddp_logging_data", "_set_ddp_runtime_logging_sample_rate",
+              "__getstate__", "__setstate__"]
     missing = [m for m in wanted if not callable(getattr(DistributedDataParallel, m, None))]
     assert not missing, missing
