@@ -54,6 +54,11 @@ class Rule:
       layout: the steps from the JAX array to the torch array (default: the same array).
       ndim: the rule applies only to tensors of this rank (``None``: any rank).
       name: what the rule is for, shown in messages and by the plan inspector.
+      grads_together: torch computes the gradients of this tensor's module in one backward node and
+        accumulates them in registration order (a convolution, a norm: weight before bias), where
+        JAX's backward computes them apart (the bias's sum first). The gradient-ready order
+        (:func:`torch_ready_order`) needs to know; a Linear's bias is ready before its weight in
+        both frameworks.
 
     >>> rule = Rule("{module}.w", "{module}.weight", Layout.transpose(1, 0), name="my Dense")
     >>> rule.match("enc.proj.w", 2)
@@ -65,6 +70,7 @@ class Rule:
     layout: Layout = Layout()
     ndim: int | None = None
     name: str = ""
+    grads_together: bool = False
 
     def __post_init__(self):
         if not isinstance(self.layout, Layout):
@@ -86,11 +92,12 @@ class Rule:
 
     def to_json(self) -> dict:
         return {"jax": self.jax, "torch": self.torch, "layout": self.layout.to_json(), "ndim": self.ndim,
-                "name": self.name}
+                "name": self.name, "grads_together": self.grads_together}
 
     @classmethod
     def from_json(cls, d: dict) -> "Rule":
-        return cls(d["jax"], d["torch"], Layout.from_json(d["layout"]), d.get("ndim"), d.get("name", ""))
+        return cls(d["jax"], d["torch"], Layout.from_json(d["layout"]), d.get("ndim"), d.get("name", ""),
+                   d.get("grads_together", False))
 
 
 # flax's own modules against torch's. A Conv kernel is (*spatial, in / groups, out), torch's
@@ -99,13 +106,14 @@ FLAX_RULES: tuple[Rule, ...] = (
     Rule("{module}.kernel", "{module}.weight", Layout.transpose(1, 0), ndim=2,
          name="flax Dense kernel (in, out) / torch Linear weight (out, in)"),
     Rule("{module}.kernel", "{module}.weight", Layout.transpose(2, 1, 0), ndim=3,
-         name="flax Conv kernel (W, I, O) / torch Conv1d weight (O, I, W)"),
+         name="flax Conv kernel (W, I, O) / torch Conv1d weight (O, I, W)", grads_together=True),
     Rule("{module}.kernel", "{module}.weight", Layout.transpose(3, 2, 0, 1), ndim=4,
-         name="flax Conv kernel (H, W, I, O) / torch Conv2d weight (O, I, H, W)"),
+         name="flax Conv kernel (H, W, I, O) / torch Conv2d weight (O, I, H, W)", grads_together=True),
     Rule("{module}.kernel", "{module}.weight", Layout.transpose(4, 3, 0, 1, 2), ndim=5,
-         name="flax Conv kernel (D, H, W, I, O) / torch Conv3d weight (O, I, D, H, W)"),
+         name="flax Conv kernel (D, H, W, I, O) / torch Conv3d weight (O, I, D, H, W)", grads_together=True),
     Rule("{module}.embedding", "{module}.weight", name="flax Embed embedding / torch Embedding weight"),
-    Rule("{module}.scale", "{module}.weight", name="flax norm scale / torch norm weight (LayerNorm, GroupNorm, ...)"),
+    Rule("{module}.scale", "{module}.weight", name="flax norm scale / torch norm weight (LayerNorm, GroupNorm, ...)",
+         grads_together=True),
     Rule("{module}.bias", "{module}.bias", name="bias"),
 )
 
@@ -203,7 +211,7 @@ class ParamMapping:
                                    f"its layout does not fit: {e}") from None
             candidates = self._torch_candidates(rule, fields)
             if torch is None:
-                return Pair(name, candidates[0], rule.layout, shape, torch_shape, rule.label())
+                return Pair(name, candidates[0], rule.layout, shape, torch_shape, rule.label(), rule.grads_together)
             found = [c for c in candidates if c in torch]
             if len(found) > 1:
                 raise MappingError(f"jax tensor {name!r}: rule {rule.label()!r} could mean any of the torch tensors "
@@ -215,7 +223,7 @@ class ParamMapping:
                 raise MappingError(f"jax tensor {name!r} of shape {shape}: rule {rule.label()!r} makes it torch "
                                    f"shape {torch_shape}, but torch's {found[0]!r} has shape {torch[found[0]]}: "
                                    f"add a rule for this module")
-            return Pair(name, found[0], rule.layout, shape, torch_shape, rule.label())
+            return Pair(name, found[0], rule.layout, shape, torch_shape, rule.label(), rule.grads_together)
         near = f" ({nearest(_torchish(name), list(torch))})" if torch else ""
         raise MappingError(f"jax tensor {name!r} of shape {shape} matches no rule{near}: add a Rule for its module")
 

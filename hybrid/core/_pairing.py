@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -44,7 +44,8 @@ def errors_message(errors: list[str], what: str) -> str:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pair:
     """One tensor on both sides: JAX name and shape, torch name and shape, the layout between
-    them (JAX to torch) and the rule that placed it (for messages and the plan inspector)."""
+    them (JAX to torch), the rule that placed it (for messages and the plan inspector), and
+    whether torch computes its module's gradients in one backward node (``Rule.grads_together``)."""
 
     jax: str
     torch: str
@@ -52,15 +53,17 @@ class Pair:
     jax_shape: tuple[int, ...]
     torch_shape: tuple[int, ...]
     rule: str = ""
+    grads_together: bool = False
 
     def to_json(self) -> dict:
         return {"jax": self.jax, "torch": self.torch, "layout": self.layout.to_json(),
-                "jax_shape": list(self.jax_shape), "torch_shape": list(self.torch_shape), "rule": self.rule}
+                "jax_shape": list(self.jax_shape), "torch_shape": list(self.torch_shape), "rule": self.rule,
+                "grads_together": self.grads_together}
 
     @classmethod
     def from_json(cls, d: dict) -> "Pair":
         return cls(d["jax"], d["torch"], Layout.from_json(d["layout"]), tuple(d["jax_shape"]),
-                   tuple(d["torch_shape"]), d.get("rule", ""))
+                   tuple(d["torch_shape"]), d.get("rule", ""), d.get("grads_together", False))
 
 
 def _host(x) -> np.ndarray:
@@ -192,3 +195,42 @@ class ParamPairing:
     def fingerprint(self) -> str:
         """Stable 16-hex-digit digest: equal pairings give equal strings in every process."""
         return fingerprint_of(self.to_json())
+
+    def torch_ready_order(self, jax_ready: Sequence[str]) -> tuple[str, ...]:
+        """torch's names in the order torch's autograd makes their gradients ready, from the order
+        JAX's backward computes them (:func:`hybrid.jax.gradient_ready_order`).
+
+        The two backward passes walk the modules in the same order; inside one module they can
+        differ. torch accumulates the gradients a single backward node computes in the node's
+        argument order, and its convolutions and norms compute weight and bias in one node
+        (weight first), where JAX's backward sums the bias's gradient before the weight's. So
+        the tensors of a module placed by a ``grads_together`` rule are emitted together, in
+        torch's registration order, where the module's first gradient is ready in JAX. A Linear's
+        bias is ready before its weight in both (torch reaches the weight through a transpose).
+
+        >>> from hybrid.core import ParamMapping
+        >>> pairing = ParamMapping.flax().pair({"ln.scale": (4,), "ln.bias": (4,), "fc.kernel": (4, 2), "fc.bias": (2,)},
+        ...                                    {"ln.weight": (4,), "ln.bias": (4,), "fc.weight": (2, 4), "fc.bias": (2,)})
+        >>> pairing.torch_ready_order(["fc.bias", "fc.kernel", "ln.bias", "ln.scale"])
+        ('fc.bias', 'fc.weight', 'ln.weight', 'ln.bias')
+        """
+        jax_ready = list(jax_ready)
+        by_jax = {p.jax: p for p in self.pairs}
+        unknown = [n for n in jax_ready if n not in by_jax]
+        if unknown or len(set(jax_ready)) != len(jax_ready):
+            raise MappingError(f"jax_ready must name tensors of the pairing at most once; unknown: "
+                               f"{[f'{n} ({nearest(n, list(by_jax))})' for n in unknown]}")
+        modules: dict[str, list[Pair]] = {}
+        for p in self.pairs:  # torch's registration order within each module
+            modules.setdefault(p.torch.rpartition(".")[0], []).append(p)
+        out, done = [], set()
+        for name in jax_ready:
+            p = by_jax[name]
+            module = modules[p.torch.rpartition(".")[0]]
+            together = [q for q in module if q.grads_together and q.jax in jax_ready] and [
+                q for q in module if q.jax in jax_ready]
+            for q in together or [p]:
+                if q.torch not in done:
+                    done.add(q.torch)
+                    out.append(q.torch)
+        return tuple(out)

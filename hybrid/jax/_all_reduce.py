@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device, tracks_varying
 
@@ -42,7 +42,8 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
                         first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
                         mean: bool = True, order: Sequence[str] | None = None,
                         copy_backend: str | None = None,
-                        persistent_buckets: bool = True) -> optax.GradientTransformation:
+                        persistent_buckets: bool = True, ready_order: Sequence[str] | None = None,
+                        pairing: ParamPairing | None = None) -> optax.GradientTransformation:
     """Sum (or average) per-device gradients over ``axis_name``, one collective per bucket.
 
     Gradients are packed into the flat buckets of ``hybrid.core.plan_buckets`` (the same buckets
@@ -56,6 +57,13 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
       bucket_cap_bytes / first_bucket_cap_bytes: DDP's bucket caps.
       mean: divide by the axis size (DDP's average) instead of summing.
       order: leaf names in registration order (see :func:`hybrid.jax.specs`).
+      ready_order: leaf names in the order the backward computes their gradients
+        (:func:`hybrid.jax.gradient_ready_order`): buckets are rebuilt from it, as torch's DDP
+        rebuilds its own after the first iteration, so the first bucket holds what is ready first.
+      pairing: a :class:`hybrid.core.ParamPairing` to a torch module: plan over torch's names and
+        layouts (leaves laid out as torch holds them inside the buckets), so that with
+        ``ready_order`` the plan, its fingerprint and every packed bucket are torch's DDP's
+        (docs/models.md); ``order`` is then the pairing's.
       copy_backend: how buckets are filled and emptied: ``"auto"`` (``hybrid.kernels``' CUDA
         kernels when JAX runs on a GPU and the library is built, ``hybrid.core.pack`` / ``unpack``
         otherwise), ``"cuda"`` or ``"reference"`` to force one; default ``$HYBRID_KERNELS`` or auto.
@@ -78,7 +86,7 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
 
     def layout_of(tree, what):
         return _Layout.of(tree, what=what, order=order, bucket_cap_bytes=bucket_cap_bytes,
-                          first_bucket_cap_bytes=first_bucket_cap_bytes)
+                          first_bucket_cap_bytes=first_bucket_cap_bytes, ready_order=ready_order, pairing=pairing)
 
     def init_fn(params):
         if not persistent_buckets:

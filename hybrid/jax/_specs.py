@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat
+from hybrid.core import (BucketPlan, FlatShardPlan, ParamPairing, TensorSpec, canonical_dtype, plan_buckets,
+                         rebuild_plan, shard_flat)
 
 
 def _entry_name(entry) -> str:
@@ -90,14 +91,22 @@ def specs(params, *, order: Sequence[str] | None = None, device: str = "cpu") ->
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """A tree's bucket plan and how to go between its leaves and the plan's flat buckets."""
+    """A tree's bucket plan and how to go between its leaves and the plan's flat buckets.
+
+    With a :class:`hybrid.core.ParamPairing` the plan is over torch's names and layouts (the
+    tensors torch's DDP buckets): each leaf is laid out as torch holds it on the way into a bucket
+    (a Dense kernel transposed to a Linear weight) and back on the way out.
+    """
 
     plan: BucketPlan
     leaf_of_spec: tuple[int, ...]
     treedef: object
+    # per spec: (layout from the leaf to the spec's tensor, the leaf's shape), with a pairing
+    layouts: tuple | None = None
 
     @classmethod
-    def of(cls, tree, *, what: str, order, bucket_cap_bytes: int, first_bucket_cap_bytes: int) -> "_Layout":
+    def of(cls, tree, *, what: str, order, bucket_cap_bytes: int, first_bucket_cap_bytes: int,
+           ready_order=None, pairing: ParamPairing | None = None) -> "_Layout":
         names, leaves, treedef = _leaves(tree)
         if not leaves:
             raise ValueError(f"{what}: the tree has no leaves, nothing to bucket")
@@ -105,23 +114,63 @@ class _Layout:
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 raise TypeError(f"{what}: leaf {n!r} has dtype {x.dtype}; only floating-point "
                                 f"gradients and parameters can be bucketed")
-        perm = _order(names, order)
-        plan = plan_buckets(specs(tree, order=order), bucket_cap_bytes=bucket_cap_bytes,
-                            first_bucket_cap_bytes=first_bucket_cap_bytes)
-        return cls(plan, tuple(perm), treedef)
+        layouts = None
+        if pairing is None:
+            perm = _order(names, order)
+            tree_specs = specs(tree, order=order)
+        else:
+            if order is not None:
+                raise ValueError(f"{what}: give order or pairing, not both (the pairing holds torch's registration order)")
+            where = {n: i for i, n in enumerate(names)}
+            unknown = [p.jax for p in pairing.pairs if p.jax not in where]
+            unpaired = sorted(set(names) - set(pairing.jax_names))
+            if unknown or unpaired:
+                raise ValueError(f"{what}: the pairing does not fit the tree: pairing tensors not in the tree "
+                                 f"{unknown}, leaves the pairing does not place {unpaired}")
+            perm = [where[p.jax] for p in pairing.pairs]
+            tree_specs = tuple(TensorSpec(p.torch, p.torch_shape, canonical_dtype(np.dtype(leaves[i].dtype)))
+                               for p, i in zip(pairing.pairs, perm))
+            layouts = tuple((p.layout, p.jax_shape) for p in pairing.pairs)
+        plan = plan_buckets(tree_specs, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+        if ready_order is not None:
+            plan = _rebuilt(plan, ready_order, pairing, what)
+        return cls(plan, tuple(perm), treedef, layouts)
 
     def spec_arrays(self, tree) -> list:
         leaves = jax.tree_util.tree_leaves(tree)
-        return [leaves[i] for i in self.leaf_of_spec]
+        out = [leaves[i] for i in self.leaf_of_spec]
+        if self.layouts is None:
+            return out
+        # leaves of the parameters' shape are laid out as torch holds them; others (a mask's
+        # booleans, a scalar) are per leaf and pass as they are
+        return [layout.to_torch(x) if tuple(getattr(x, "shape", ())) == shape and x.ndim else x
+                for x, (layout, shape) in zip(out, self.layouts)]
 
     def unflatten(self, per_spec: dict) -> object:
         leaves = [None] * len(self.leaf_of_spec)
         for spec_index, leaf_index in enumerate(self.leaf_of_spec):
-            leaves[leaf_index] = per_spec[spec_index]
+            x = per_spec[spec_index]
+            if self.layouts is not None:
+                layout, shape = self.layouts[spec_index]
+                x = layout.to_jax(x, shape) if tuple(getattr(x, "shape", ())) == layout.torch_shape(shape) and x.ndim else x
+            leaves[leaf_index] = x
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def shards(self, world_size: int) -> FlatShardPlan:
         return shard_flat(self.plan, world_size)
+
+
+def _rebuilt(plan: BucketPlan, ready_order, pairing: ParamPairing | None, what: str) -> BucketPlan:
+    """The plan rebuilt from a gradient-ready order of leaf names, as torch's DDP rebuilds its
+    buckets after the first iteration (with a pairing: in the order torch's autograd would give)."""
+    ready = list(ready_order)
+    names = pairing.torch_ready_order(ready) if pairing is not None else ready
+    index = {s.name: i for i, s in enumerate(plan.specs)}
+    unknown = [n for n in names if n not in index]
+    if unknown:
+        raise ValueError(f"{what}: ready_order names {unknown}, which are no leaves of the tree "
+                         f"(leaves: {sorted(index)[:8]}...)")
+    return rebuild_plan(plan, [index[n] for n in names], size_limits=plan.size_limits)
 
 
 def check_caps(bucket_cap_bytes, first_bucket_cap_bytes) -> None:

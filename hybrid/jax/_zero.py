@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._elementwise import GLOBAL_DECISIONS, NON_ELEMENTWISE, check_exact_on_shards
 from hybrid.jax._elementwise import non_elementwise as _non_elementwise
@@ -66,7 +66,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
          first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES, mean: bool = True,
          order: Sequence[str] | None = None, check_elementwise: bool = True,
-         copy_backend: str | None = None) -> optax.GradientTransformation:
+         copy_backend: str | None = None, ready_order: Sequence[str] | None = None,
+         pairing: ParamPairing | None = None) -> optax.GradientTransformation:
     """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2).
 
     Gradients (per device, see :func:`hybrid.jax.local_grad`) are packed into the buckets of
@@ -105,6 +106,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
       check_elementwise: refuse known non-elementwise inner transforms.
       copy_backend: ``"auto"`` | ``"cuda"`` | ``"reference"``: how buckets are packed and
         unpacked, as for :func:`hybrid.jax.bucketed_all_reduce`.
+      ready_order, pairing: plan as torch's DDP holds its buckets after its rebuild, as for
+        :func:`hybrid.jax.bucketed_all_reduce`: the slices are then torch's ZeRO2 slices.
 
     >>> import jax, jax.numpy as jnp, numpy as np, optax
     >>> tx = zero(optax.sgd(0.1), "dp", stage=2)
@@ -132,7 +135,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         check_exact_on_shards(inner, axis_name)
 
     def layout_of(tree, what):
-        return _Layout.of(tree, what=what, order=order, **caps)
+        return _Layout.of(tree, what=what, order=order, ready_order=ready_order, pairing=pairing, **caps)
 
     def local_shards(layout, shards, tree, rank, cuda):
         # This device's slice of every bucket of a replicated tree: no communication.
