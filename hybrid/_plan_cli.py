@@ -157,7 +157,7 @@ def compile_report(args, specs, size_limits) -> dict:
 
     from hybrid.core import rebuild_plan
     from hybrid.torch import SplitBackend
-    from hybrid.torch._ddp_parts import _reduced_parameters
+    from hybrid.torch.ddp._parts import _reduced_parameters
     x = _example_input(module, args.input_shape)
     named = _reduced_parameters(module, set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())))
     orders = []

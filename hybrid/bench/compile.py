@@ -14,7 +14,7 @@ within the process, so the first variant's figure still holds more of that cost)
 number of graphs dynamo captured for it and of frames its callback converted (``counters["frames"]
 ["total"]``: frames traced, and frames looked at once and skipped). Every variant compiles its own graphs: dynamo matches
 cache entries by backend, and the model is a class of this file, because under torch's DDP (and,
-before ``hybrid.torch._compile._own_code``, under hybrid's with ``optimize_ddp`` off) a bare
+before ``hybrid.torch.dynamo._compile._own_code``, under hybrid's with ``optimize_ddp`` off) a bare
 ``nn.Sequential`` ran eagerly: dynamo skips top-level ``torch.nn`` frames. Frames converted
 during the timed steps are counted and printed: 0 means no recompilation. ``split`` is stepped a
 second time in every round (``split'``, right after ``whole``) for the A/A row of the ratio table.

@@ -33,7 +33,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters a checkpoint holds, in DDP's registration order, named as in the bare model."""
-    from hybrid.torch._ddp_parts import _reduced_parameters
+    from hybrid.torch.ddp._parts import _reduced_parameters
     return _reduced_parameters(_unwrap(module))
 
 

@@ -12,11 +12,10 @@ from hybrid.core._buckets import (
     plan_buckets,
     rebuild_plan,
 )
-from hybrid.core._cost import COLLECTIVES, NETWORKS, CostModel, Fit, Link, collective_seconds, exposed_seconds, wire_bytes
+from hybrid.core.cost import (COLLECTIVES, NETWORKS, STAGES, CostModel, Fit, Link, StepCost, collective_seconds,
+                              exposed_seconds, step_cost, wire_bytes)
 from hybrid.core._dtypes import canonical_dtype, itemsize
-from hybrid.core._layout import Layout
-from hybrid.core._mapping import FLAX_RULES, ParamMapping, Rule
-from hybrid.core._pairing import MappingError, Pair, ParamPairing
+from hybrid.core.mapping import FLAX_RULES, Layout, MappingError, Pair, ParamMapping, ParamPairing, Rule
 from hybrid.core._graph_split import GraphSplitPlan, merge_piece, plan_graph_split, split_size_limits
 from hybrid.core._memory import OPTIMIZER_STATE_COPIES, ZeroMemory, zero_memory
 from hybrid.core._shard import (
@@ -33,7 +32,6 @@ from hybrid.core._shard import (
 from hybrid.core._reshard import ReshardPlan, ShardCopy, reshard
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
 from hybrid.core._spec import TensorSpec
-from hybrid.core._step_cost import STAGES, StepCost, step_cost
 
 __all__ = [
     "COLLECTIVES", "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "FLAX_RULES", "MiB", "NETWORKS",

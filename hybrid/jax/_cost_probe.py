@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hybrid.core import CostModel
-from hybrid.core._cost import PROBE_SIZES
+from hybrid.core.cost._collectives import PROBE_SIZES
 
 
 def _collective(kind: str, axis_name: str):

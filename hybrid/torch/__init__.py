@@ -1,16 +1,16 @@
-"""torch frontend: drop-ins for torch's data-parallel classes, executing hybrid.core plans."""
+"""torch frontend: drop-ins for torch's data-parallel classes, executing hybrid.core plans.
+
+Parts: ``ddp/`` (DistributedDataParallel and its reducer), ``zero/`` (ZeRO stages and the overlap
+hooks), ``dynamo/`` (torch.compile support, which plugs into DDP's forward); beside them the
+collectives that fail loudly, flat parameter buffers and the cost probe, which all parts share.
+"""
 
 from hybrid.torch._cost_probe import measure_collectives
-from hybrid.torch._compile import SplitBackend, SplitReport, compile, split_reports
-from hybrid.torch._ddp import DistributedDataParallel
-from hybrid.torch._ddp import GradBucket
-from hybrid.torch._ddp import specs
-from hybrid.torch._zero import ZeroRedundancyOptimizer
-from hybrid.torch._zero2 import ZeRO2
-from hybrid.torch._zero2_grads import GradientInShards
-from hybrid.torch._zero_hooks import hook_with_zero_step
-from hybrid.torch._zero_hooks import hook_with_zero_step_interleaved
+from hybrid.torch.ddp import DistributedDataParallel, GradBucket, specs
+from hybrid.torch.dynamo import SplitBackend, SplitReport, compile, split_reports
+from hybrid.torch.zero import (GradientInShards, ZeRO2, ZeroRedundancyOptimizer, hook_with_zero_step,
+                               hook_with_zero_step_interleaved)
 
 __all__ = ["DistributedDataParallel", "GradBucket", "GradientInShards", "SplitBackend", "SplitReport", "ZeRO2",
-           "ZeroRedundancyOptimizer", "compile", "hook_with_zero_step", "hook_with_zero_step_interleaved", "measure_collectives", "specs",
-           "split_reports"]
+           "ZeroRedundancyOptimizer", "compile", "hook_with_zero_step", "hook_with_zero_step_interleaved",
+           "measure_collectives", "specs", "split_reports"]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core import CostModel
-from hybrid.core._cost import PROBE_SIZES
+from hybrid.core.cost._collectives import PROBE_SIZES
 from hybrid.core._fingerprint import fingerprint_of
 from hybrid.torch._collectives import all_gather_into, naming, reduce_scatter_into
 

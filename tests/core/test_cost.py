@@ -1,4 +1,4 @@
-"""The collective cost model and the step simulation (hybrid.core._cost, _step_cost), against
+"""The collective cost model and the step simulation (hybrid.core.cost._collectives, _step_cost), against
 the textbook formulas worked by hand."""
 
 import math

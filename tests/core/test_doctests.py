@@ -8,9 +8,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = ["hybrid.core._arrays", "hybrid.core._assign", "hybrid.core._buckets", "hybrid.core._dtypes", "hybrid.core._graph_split", "hybrid.core._reducer_state",
-           "hybrid.core._layout", "hybrid.core._mapping", "hybrid.core._pairing",
+           "hybrid.core.mapping._layout", "hybrid.core.mapping._mapping", "hybrid.core.mapping._pairing",
            "hybrid.core._memory", "hybrid.core._reshard", "hybrid.core._shard", "hybrid.core._spec", "hybrid._table",
-           "hybrid.bench._stats", "hybrid.core._cost", "hybrid.core._step_cost"]
+           "hybrid.bench._stats", "hybrid.core.cost._collectives", "hybrid.core.cost._step"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -4,12 +4,12 @@ import doctest
 
 import pytest
 
-import hybrid.torch._ddp
-import hybrid.torch._ddp_logging
-import hybrid.torch._ddp_parts
+import hybrid.torch.ddp._ddp
+import hybrid.torch.ddp._logging
+import hybrid.torch.ddp._parts
 
 
-@pytest.mark.parametrize("module", [hybrid.torch._ddp, hybrid.torch._ddp_logging, hybrid.torch._ddp_parts])
+@pytest.mark.parametrize("module", [hybrid.torch.ddp._ddp, hybrid.torch.ddp._logging, hybrid.torch.ddp._parts])
 def test_ddp_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from hybrid import kernels
 from hybrid.kernels import _build as kernels_build
 from hybrid.torch import DistributedDataParallel as HybridDDP
-from hybrid.torch import _ddp
+from hybrid.torch.ddp import _ddp
 
 # float32, same framework, same bucket layout, world size 1 (no reduction arithmetic): torch's
 # oracle and ours agree bit for bit; the bound is the project's float32 budget.

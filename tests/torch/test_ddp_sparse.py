@@ -20,7 +20,7 @@ from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds, _free_port, side_by_si
 from test_ddp_logging import assert_error_logged_like_torch  # noqa: E402
 from test_ddp_logging import assert_like_torch as assert_logging_like_torch  # noqa: E402
 
-import hybrid.torch._ddp_sparse  # noqa: E402
+import hybrid.torch.ddp._sparse  # noqa: E402
 from hybrid.torch import DistributedDataParallel  # noqa: E402
 
 TRAINING = ["plain", "find_unused", "view", "view_find_unused", "static", "small_caps", "hook",
@@ -163,7 +163,7 @@ def test_compiled_ddp_with_a_sparse_table_matches_eager_torch(world_of_one):
     # hybrid.torch.compile splits the graph around the tables' pieces (aot_autograd sees sparse
     # gradients); float32, one rank, the same math: the project's float32 tolerance.
     from hybrid.torch import compile as hybrid_compile
-    from hybrid.torch._compile import split_reports
+    from hybrid.torch.dynamo._compile import split_reports
     base = _workers_sparse._model(_workers_sparse.Tables, 0)
     model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
     compiled = hybrid_compile(DistributedDataParallel(model), backend="aot_eager", split_cap_mb=0)
@@ -185,5 +185,5 @@ def test_compiled_ddp_with_a_sparse_table_matches_eager_torch(world_of_one):
 
 
 def test_sparse_doctests():
-    result = doctest.testmod(hybrid.torch._ddp_sparse)
+    result = doctest.testmod(hybrid.torch.ddp._sparse)
     assert result.attempted > 0 and result.failed == 0

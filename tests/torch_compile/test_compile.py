@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 import hybrid.torch as ht
-from hybrid.torch import _compile
+from hybrid.torch.dynamo import _compile
 
 RTOL, ATOL = 1.3e-6, 1e-6
 

@@ -2,9 +2,9 @@
 
 import doctest
 
-import hybrid.torch._zero
+import hybrid.torch.zero._zero1
 
 
 def test_module_doctests():
-    result = doctest.testmod(hybrid.torch._zero)
+    result = doctest.testmod(hybrid.torch.zero._zero1)
     assert result.attempted > 0 and result.failed == 0

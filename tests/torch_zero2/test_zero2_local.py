@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 import hybrid.torch._flat
-import hybrid.torch._zero2
-import hybrid.torch._zero2_grads
-import hybrid.torch._zero_hooks
+import hybrid.torch.zero._zero2
+import hybrid.torch.zero._zero2_grads
+import hybrid.torch.zero._hooks
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import hybrid.torch
@@ -17,8 +17,8 @@ from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
 from tests.torch_zero._harness import free_port
 
 
-@pytest.mark.parametrize("module", [hybrid.torch._flat, hybrid.torch._zero2, hybrid.torch._zero2_grads,
-                                    hybrid.torch._zero_hooks])
+@pytest.mark.parametrize("module", [hybrid.torch._flat, hybrid.torch.zero._zero2, hybrid.torch.zero._zero2_grads,
+                                    hybrid.torch.zero._hooks])
 def test_module_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

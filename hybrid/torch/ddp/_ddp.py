@@ -19,21 +19,21 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from hybrid.core import BucketPlan, ddp_size_limits
 from hybrid.core._reducer_state import start_iteration
-from hybrid.torch._ddp_parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
-from hybrid.torch._ddp_parts import _bucket_copy_backend, _reachable_params, _reduced_parameters
-from hybrid.torch._ddp_parts import unfinished_reduction_message
+from hybrid.torch.ddp._parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
+from hybrid.torch.ddp._parts import _bucket_copy_backend, _reachable_params, _reduced_parameters
+from hybrid.torch.ddp._parts import unfinished_reduction_message
 from hybrid.torch._collectives import naming
-from hybrid.torch._ddp_api import TorchMethods, process_group_for
-from hybrid.torch._ddp_buffers import BufferSync
-from hybrid.torch._ddp_delay import DelayedAllReduce
-from hybrid.torch._ddp_join import _JoinHook
-from hybrid.torch._ddp_mixed import MixedPrecision
-from hybrid.torch._ddp_pickle import Pickling
-from hybrid.torch._ddp_sink import through_sink
-from hybrid.torch._ddp_sparse import SparseBuckets, sparse_placeholder
-from hybrid.torch._ddp_sync import RankAgreement
-from hybrid.torch._reducer import Reducer
-from hybrid.torch import _compile  # torch.compile(ddp) splits graphs at the plan's bucket boundaries
+from hybrid.torch.ddp._api import TorchMethods, process_group_for
+from hybrid.torch.ddp._buffers import BufferSync
+from hybrid.torch.ddp._delay import DelayedAllReduce
+from hybrid.torch.ddp._join import _JoinHook
+from hybrid.torch.ddp._mixed import MixedPrecision
+from hybrid.torch.ddp._pickle import Pickling
+from hybrid.torch.ddp._sink import through_sink
+from hybrid.torch.ddp._sparse import SparseBuckets, sparse_placeholder
+from hybrid.torch.ddp._sync import RankAgreement
+from hybrid.torch.ddp._reducer import Reducer
+from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there (hybrid.torch.dynamo)
 
 _MB = 1024 * 1024
 
@@ -217,8 +217,8 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         if self.mixed_precision is not None:
             inputs, kwargs = self._mp_pre_forward(inputs, kwargs)
         # Under torch.compile the module runs compiled in pieces split at the bucket boundaries
-        # (hybrid/torch/_compile.py); eagerly this is self.module(*inputs, **kwargs).
-        out = _compile.forward_module(self, inputs, kwargs)
+        # (hybrid/torch/dynamo/_compile.py, through ddp/_forward.py); eagerly self.module(*inputs, **kwargs).
+        out = _forward.run_module(self, inputs, kwargs)
         if self.mixed_precision is not None:
             self._mp_post_forward()
         return self._post_forward(out, grad_sync)

@@ -10,7 +10,7 @@ from torch import nn
 
 from hybrid import kernels
 from hybrid.core import TensorSpec, canonical_dtype
-from hybrid.torch._ddp_sparse import expects_sparse_gradient
+from hybrid.torch.ddp._sparse import expects_sparse_gradient
 
 
 def _reduced_with_owners(module: nn.Module, ignore=frozenset()) -> list[tuple[str, nn.Parameter, nn.Module]]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from hybrid.torch._ddp_sync import _BROADCAST_BUCKET_BYTES
+from hybrid.torch.ddp._sync import _BROADCAST_BUCKET_BYTES
 
 
 class DelayedAllReduce:

@@ -16,7 +16,7 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from hybrid.torch._ddp_logging import DDPLogger, nbytes
+from hybrid.torch.ddp._logging import DDPLogger, nbytes
 
 # torch's C++ built-in hooks and the Python hooks that compute the same thing: divide by the
 # world size, then all-reduce (FP16_COMPRESS: in float16, decompressed into the bucket).
@@ -103,12 +103,12 @@ class TorchMethods:
         """Whether the next forward broadcasts the module's buffers (torch's rule)."""
         return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync)
 
-    # ---- logging data (hybrid/torch/_ddp_logging.py keeps it as torch's C++ Logger) ------------
+    # ---- logging data (hybrid/torch/ddp/_logging.py keeps it as torch's C++ Logger) ------------
 
     logger: DDPLogger | None = None  # torch's: None where no reducer is built (every parameter delayed)
 
     def _get_ddp_logging_data(self) -> dict:
-        """torch's logging data, same keys, values and moments (hybrid/torch/_ddp_logging.py)."""
+        """torch's logging data, same keys, values and moments (hybrid/torch/ddp/_logging.py)."""
         if self.logger is None:
             raise AssertionError("self.logger must not be None")
         return self.logger.data()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid.torch._zero_parts import _copy_to_device, _sync_param_groups
+from hybrid.torch.zero._parts import _copy_to_device, _sync_param_groups
 
 
 class ConsolidatedState:

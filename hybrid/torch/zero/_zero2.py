@@ -21,12 +21,12 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
-from hybrid.torch._ddp import DistributedDataParallel, GradBucket
+from hybrid.torch.ddp._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
-from hybrid.torch._zero2_grads import GradientInShards, clip_grad_norm_
-from hybrid.torch._zero2_state import ShardedState, _take
+from hybrid.torch.zero._zero2_grads import GradientInShards, clip_grad_norm_
+from hybrid.torch.zero._zero2_state import ShardedState, _take
 from hybrid.torch._collectives import all_gather_into, reduce_scatter_into, wait_all
-from hybrid.torch._zero_parts import _refuse_sparse
+from hybrid.torch.zero._parts import _refuse_sparse
 
 __all__ = ["ZeRO2"]
 

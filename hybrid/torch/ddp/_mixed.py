@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.utils import _alloc_storage, _cast_forward_inputs, _free_storage
 
 from hybrid.core import canonical_dtype
-from hybrid.torch._ddp_parts import specs
+from hybrid.torch.ddp._parts import specs
 
 _FIELDS = ("param_dtype", "reduce_dtype", "buffer_dtype")
 

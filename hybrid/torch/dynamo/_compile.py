@@ -36,6 +36,7 @@ from torch import fx, nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
 from hybrid.core import GraphSplitPlan, TensorSpec, canonical_dtype, merge_piece, plan_graph_split, split_size_limits
+from hybrid.torch.ddp import DistributedDataParallel, _forward
 
 log = logging.getLogger("hybrid.torch.compile")
 _MB = 1024 * 1024
@@ -298,6 +299,7 @@ def _own_code(fn):
 # with apply_to_code=False, so dynamo's callback (and counters["frames"]["total"]) is entered on
 # every call, which reads as one compile per step (torch 2.13).
 forward_module = torch._dynamo.decorators.skip(_forward_module)
+_forward.install(forward_module)
 
 
 def _hint_ready_order(ddp, ordered: list[nn.Parameter]) -> None:
@@ -339,7 +341,6 @@ def compile(model: nn.Module, *, backend="inductor", split_cap_mb: float | None 
     >>> compiled(torch.ones(3, 4)).shape, split_reports(compiled)[0].num_pieces
     (torch.Size([3, 2]), 2)
     """
-    from hybrid.torch._ddp import DistributedDataParallel
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("hybrid.torch.compile splits graphs for hybrid.torch.DistributedDataParallel or a "
                         "plain module; torch's own DistributedDataParallel gets DDPOptimizer from torch.compile")

@@ -15,7 +15,7 @@ from hybrid import kernels
 from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
 from hybrid.torch._collectives import naming
-from hybrid.torch._ddp_parts import GradBucket, marked_twice_message
+from hybrid.torch.ddp._parts import GradBucket, marked_twice_message
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -182,7 +182,7 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         if self.bucket_plan.buckets[b].sparse:
-            self._launch_sparse(b)  # hybrid/torch/_ddp_sparse.py
+            self._launch_sparse(b)  # hybrid/torch/ddp/_sparse.py
             return
         try:
             self._fill_bucket(b)

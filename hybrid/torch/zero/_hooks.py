@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core import BucketAssignment, BucketPlan, assign_buckets
-from hybrid.torch._ddp import DistributedDataParallel, GradBucket
+from hybrid.torch.ddp._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
-from hybrid.torch._zero import ZeroRedundancyOptimizer
+from hybrid.torch.zero._zero1 import ZeroRedundancyOptimizer
 from hybrid.torch._collectives import wait_all
-from hybrid.torch._zero_parts import _refuse_sparse
+from hybrid.torch.zero._parts import _refuse_sparse
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 

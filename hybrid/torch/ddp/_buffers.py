@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel.distributed import _BufferCommHook, _BufferCommHookLocation
 
-from hybrid.torch._ddp_sync import _BROADCAST_BUCKET_BYTES
+from hybrid.torch.ddp._sync import _BROADCAST_BUCKET_BYTES
 
 
 class BufferSync:

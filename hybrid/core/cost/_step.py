@@ -1,7 +1,7 @@
 """A training step's communication under DDP and ZeRO stages 1-3, on a plan and a cost model:
 bytes each rank sends, time on the wire, and the part the compute does not hide.
 
-The step is simulated as two streams (hybrid.core._cost.exposed_seconds): compute, cut per bucket
+The step is simulated as two streams (hybrid.core.cost._collectives.exposed_seconds): compute, cut per bucket
 in proportion to the bucket's elements (a dense layer's FLOPs are proportional to its
 parameters), and one communication stream that runs collectives in issue order:
 
@@ -16,7 +16,7 @@ parameters), and one communication stream that runs collectives in issue order:
   reduce-scattered after it: 1.5x DDP's bytes (the ZeRO paper's figure).
 
 >>> from hybrid.core import TensorSpec, plan_buckets
->>> from hybrid.core._cost import NETWORKS, collective_seconds
+>>> from hybrid.core.cost._collectives import NETWORKS, collective_seconds
 >>> plan = plan_buckets([TensorSpec(f"w{i}", (1024, 1024), "float32") for i in range(8)])
 >>> cost = lambda kind, n: collective_seconds(kind, n, 8, NETWORKS["ib400"])
 >>> ddp = step_cost(plan, 8, "ddp", cost, forward_s=0.01, backward_s=0.02)
@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable
 
 from hybrid.core._buckets import BucketPlan
-from hybrid.core._cost import exposed_seconds, wire_bytes
+from hybrid.core.cost._collectives import exposed_seconds, wire_bytes
 
 STAGES = ("ddp", 1, 2, 3)
 CollectiveCost = Callable[[str, float], float]  # (collective, nbytes) -> seconds

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from hybrid.core._fingerprint import fingerprint_of
-from hybrid.core._layout import Layout
+from hybrid.core.mapping._layout import Layout
 
 
 class MappingError(ValueError):

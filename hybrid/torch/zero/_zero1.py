@@ -22,9 +22,9 @@ from torch.optim import Optimizer
 
 from hybrid.core import ParamPartition, partition_params, plan_buckets
 from hybrid.torch._flat import params_into_flat
-from hybrid.torch._zero_state import ConsolidatedState
+from hybrid.torch.zero._zero1_state import ConsolidatedState
 from hybrid.torch._collectives import collective_failed, wait_all
-from hybrid.torch._zero_parts import _check_params, _check_same_dense_type, _spec, _sync_param_groups
+from hybrid.torch.zero._parts import _check_params, _check_same_dense_type, _spec, _sync_param_groups
 
 __all__ = ["ZeroRedundancyOptimizer"]
 

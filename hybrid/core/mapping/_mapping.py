@@ -23,8 +23,8 @@ import itertools
 import re
 from collections.abc import Mapping, Sequence
 
-from hybrid.core._layout import Layout
-from hybrid.core._pairing import MappingError, Pair, ParamPairing, errors_message, nearest
+from hybrid.core.mapping._layout import Layout
+from hybrid.core.mapping._pairing import MappingError, Pair, ParamPairing, errors_message, nearest
 
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SEGMENTS = r"[^.]+(?:\.[^.]+)*"
