@@ -36,7 +36,6 @@ coordinated (one saver at a time, as in any training run).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import warnings
@@ -57,19 +56,23 @@ class FileSystem:
         self.before("mkdir", path)
         path.mkdir(parents=True)
 
-    def write(self, part: pathlib.Path, chunks) -> tuple[int, str]:
-        """Write ``chunks`` to ``part`` and fsync it; returns (bytes, SHA-256)."""
-        digest, size = hashlib.sha256(), 0
+    def write(self, part: pathlib.Path, chunks, header=None) -> int:
+        """Write ``chunks`` (bytes-like) to ``part``, then ``header()`` over its first bytes if
+        given, and fsync it; returns the size."""
+        size = 0
         self.before("create", part)
         with open(part, "wb") as f:
             for i, chunk in enumerate(chunks):
                 if i == 1:  # a crash here leaves a partly written file
                     self.before("write", part)
-                digest.update(chunk)
                 size += f.write(chunk)
             f.flush()
+            if header is not None:
+                data, pos = memoryview(header()), 0
+                while pos < len(data):
+                    pos += os.pwrite(f.fileno(), data[pos:], pos)
             os.fsync(f.fileno())
-        return size, digest.hexdigest()
+        return size
 
     def replace(self, src: pathlib.Path, dst: pathlib.Path) -> None:
         self.before("rename", src)
@@ -124,12 +127,13 @@ def previous(path: str | os.PathLike) -> pathlib.Path:
     return path.parent / f".{path.name}.previous"
 
 
-def write_atomically(target: pathlib.Path, chunks) -> tuple[int, str]:
-    """Write ``chunks`` (bytes-like) to ``target.part``, fsync, rename; returns (bytes, SHA-256)."""
+def write_atomically(target: pathlib.Path, chunks, header=None) -> int:
+    """Write ``chunks`` (and ``header()`` over the first bytes) to ``target.part``, fsync, rename;
+    returns the size."""
     part = target.with_name(target.name + ".part")
-    size, sha = fs.write(part, chunks)
+    size = fs.write(part, chunks, header)
     fs.replace(part, target)
-    return size, sha
+    return size
 
 
 def begin_save(path: str | os.PathLike) -> pathlib.Path:

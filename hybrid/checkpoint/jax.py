@@ -240,9 +240,7 @@ def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
         _check_zero(zero, layout, n)
         plan = ckpt.reshard_to(shard_flat(layout.plan, n))
         for s in slots:
-            per_rank = [ckpt.slices(s, plan, r) for r in range(n)]
-            values[s] = tuple(_like(np.concatenate([per_rank[r][b] for r in range(n)]), old)
-                              for b, old in enumerate(getattr(node, s)))
+            values[s] = tuple(_like(flat, old) for flat, old in zip(ckpt.buckets(s, plan), getattr(node, s)))
 
     def replace(x):
         if x is node:
