@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any
 
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
@@ -26,6 +27,12 @@ class CheckpointError(ValueError):
 
 def shard_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def shard_file_rank(name: str) -> int | None:
+    """The rank whose shard file ``name`` is (None: not a shard file's name)."""
+    m = re.fullmatch(r"rank-(\d+)-of-\d+\.safetensors", name)
+    return None if m is None else int(m.group(1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ writing (every rank)
      old checkpoint in ``.previous``, the next save puts it back (step 1).
   7. rename ``.saving`` to PATH: **the commit point**. From here on PATH holds the new checkpoint.
   8. fsync PATH's parent directory.
-  9. remove ``.previous``.
+  9. remove ``.previous``: each rank its own old files (in parallel), then one process the rest.
 
 ``Checkpoint(PATH)`` reads PATH if it holds a manifest, else ``.previous`` (with a warning).
 The crash-injection test (tests/checkpoint/test_protocol.py) stops a save before each of these
@@ -40,7 +40,7 @@ import os
 import pathlib
 import warnings
 
-from hybrid.checkpoint._manifest import MANIFEST, Manifest
+from hybrid.checkpoint._manifest import MANIFEST, Manifest, shard_file_rank
 
 
 class FileSystem:
@@ -85,6 +85,10 @@ class FileSystem:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def unlink(self, path: pathlib.Path) -> None:
+        self.before("unlink", path)
+        path.unlink()
 
     def remove_tree(self, path: pathlib.Path) -> None:
         """Remove ``path`` and what it holds, one file at a time (a crash may stop it midway)."""
@@ -149,8 +153,10 @@ def begin_save(path: str | os.PathLike) -> pathlib.Path:
     return stage
 
 
-def commit_save(path: str | os.PathLike, manifest: Manifest) -> None:
-    """Steps 5-9: write the manifest last, then swap the staging directory into ``path`` (one process)."""
+def commit_save(path: str | os.PathLike, manifest: Manifest, *, remove_previous: bool = True) -> None:
+    """Steps 5-9: write the manifest last, then swap the staging directory into ``path`` (one
+    process). ``remove_previous=False`` leaves step 9 to the caller (:func:`remove_previous_shards`
+    on every rank, then :func:`remove_previous`)."""
     path, stage, prev = resolve(path), staging(path), previous(path)
     write_atomically(stage / MANIFEST, [manifest.dumps().encode()])
     fs.fsync_dir(stage)
@@ -161,7 +167,26 @@ def commit_save(path: str | os.PathLike, manifest: Manifest) -> None:
         fs.replace(path, prev)
     fs.replace(stage, path)
     fs.fsync_dir(path.parent)
-    fs.remove_tree(prev)
+    if remove_previous:
+        fs.remove_tree(prev)
+
+
+def remove_previous_shards(path: str | os.PathLike, rank: int, world_size: int, *, map=map) -> None:
+    """Step 9 shared out, after the commit: remove the shard files of the replaced checkpoint
+    that ``rank`` of ``world_size`` owns (ranks ``rank``, ``rank + world_size``, ...), so that
+    freeing the old files costs each rank what overwriting its own would; ``map`` may run the
+    removals in threads. Then one process removes what is left with :func:`remove_previous`."""
+    prev = previous(path)
+    if prev.is_symlink() or not prev.is_dir():
+        return
+    mine = [prev / name for name in sorted(os.listdir(prev))
+            if shard_file_rank(name) is not None and shard_file_rank(name) % world_size == rank]
+    list(map(fs.unlink, mine))
+
+
+def remove_previous(path: str | os.PathLike) -> None:
+    """Step 9: remove the replaced checkpoint (what is left of it)."""
+    fs.remove_tree(previous(path))
 
 
 def find(path: str | os.PathLike) -> pathlib.Path:
