@@ -6,6 +6,8 @@ used from); bytes a rank does not read are not read at all. Formats 1 and 2 stil
 
 import hashlib
 import json
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -160,3 +162,56 @@ def test_format_2_checks_stay(saved):
     _flip(path, 1, "params/0", 3)
     with pytest.raises(CheckpointError, match=r"rank-00001-of-00002\.safetensors: SHA-256 differs from the manifest's"):
         Checkpoint(path).tensors("params")
+
+
+def _zero1_worker(path, rank, port, out):
+    """A 2-rank ZeRO-1 save; then a byte of Adam's nu that only rank 1 owns is corrupted, and each
+    rank loads: rank 0 never reads that chunk, rank 1 does."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from hybrid.checkpoint import torch as ckpt_torch
+    from hybrid.torch import DistributedDataParallel, ZeroRedundancyOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        def build():
+            torch.manual_seed(0)
+            # 4 MiB and 2 MiB weights: ZeRO-1 gives each rank one; every slice spans several chunks.
+            ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512)))
+            return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+
+        ddp, opt = build()
+        ddp(torch.randn(4, 1024)).square().mean().backward()
+        opt.step()
+        ckpt_torch.save(path, ddp, opt, step=1)
+        owners = {id(p): r for p, r in opt._param_to_rank.items()}
+        assert owners[id(ddp.module[1].weight)] == 1 and owners[id(ddp.module[0].weight)] == 0
+        if rank == 0:
+            header, _ = _header(pathlib.Path(path), 1)
+            _flip(pathlib.Path(path), 1, "nu/0", header["nu/0"]["shape"][0] - 1000)  # rank 1's own tensors end there
+        dist.barrier()
+        other, other_opt = build()
+        try:
+            ckpt_torch.load(path, other, other_opt)
+            outcome = "loaded" if torch.equal(other.module[0].weight, ddp.module[0].weight) else "wrong values"
+        except CheckpointError as e:
+            outcome = str(e)
+        out.put((rank, outcome, 0.0))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(e).__name__}: {e}", 0.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_zero1_rank_reads_only_the_state_it_owns(tmp_path):
+    from tests._procs import forkserver_ranks
+
+    reports, _ = forkserver_ranks(_zero1_worker, (str(tmp_path / "ckpt"),), 2, wait_s=120)
+    assert reports[0][0] == "loaded"
+    assert re.search(r"rank-00001-of-00002\.safetensors: bytes \d+\.\.\d+ of its data differ from their checksum",
+                     reports[1][0]), reports[1][0]
