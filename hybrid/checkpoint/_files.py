@@ -15,6 +15,7 @@ import stat
 import warnings
 
 import numpy as np
+
 from hybrid.core import FlatShardPlan, ReshardPlan, reshard
 from hybrid.checkpoint._protocol import find, staging, write_atomically
 from hybrid.checkpoint._manifest import BODY_DIGEST_KEY, MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
@@ -160,7 +161,7 @@ class Checkpoint:
         """Fill arrays from the files: ``requests[rank]`` lists ``(key, first element, out)``, the
         elements ``[first, first + len(out))`` of tensor ``key`` into the 1-D array ``out``.
         Every chunk read is checked; files are read in parallel (preadv releases the GIL)."""
-        self.verify(requests)
+        self.verify(list(requests))
 
         def read_file(rank):
             header, file = self._headers[rank], self.file(rank)

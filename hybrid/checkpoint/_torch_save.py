@@ -113,6 +113,8 @@ def _collective(path, what: str, fn, *args, **kwargs):
 
 def _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, group, extras):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if rank == 0:
+        begin_save(path)  # the collective below tells every rank it is done: no barrier of its own
     # One object collective settles what every rank must agree on before any data moves: each
     # parameter's step count and which slots it holds, wherever its state lives.
     mine = (counts, {s: sorted(v) for s, v in slots.items()})
@@ -139,9 +141,6 @@ def _save_distributed(path, params, slots, counts, describe, complete, plan, ste
     if not complete:
         tensors.update(_exchange_slots(path, plan, group, slots, owners))
     buffer_meta, buffer_tensors = buffer_entries(extras["buffers"])
-    if rank == 0:
-        begin_save(path)
-    _collective(path, "the barrier before writing", dist.barrier, group=group)
     # Every rank builds the same manifest body (the file list aside): its digest goes in each file.
     body = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, kinds),
                     (), dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])

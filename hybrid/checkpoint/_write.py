@@ -170,12 +170,3 @@ def check_json(value: dict, what: str) -> dict:
                              f"tensors and arrays with .tolist()) before saving") from None
     return value
 
-
-def _stored_plan(plan: BucketPlan) -> BucketPlan:
-    """The plan with bfloat16 renamed to its storage dtype, so ``pack`` accepts the uint16 bits."""
-    if not any(s.dtype == "bfloat16" for s in plan.specs):
-        return plan
-    rename = lambda d: "uint16" if d == "bfloat16" else d
-    specs = tuple(dataclasses.replace(s, dtype=rename(s.dtype)) for s in plan.specs)
-    buckets = tuple(dataclasses.replace(b, dtype=rename(b.dtype)) for b in plan.buckets)
-    return BucketPlan(specs, buckets, plan.size_limits, plan.alignment)
