@@ -11,9 +11,10 @@ one step taken so the state exists). Each repetition, interleaved and after a ba
                    ``write`` + fsync, over its previous plain file, then the ranks meet at a
                    barrier (a save ends with one too: both times run until every rank is done);
 - ``load``:        ``hybrid.checkpoint.torch.load`` (every chunk read is checked against its
-                   checksum; every rank reads all parameters and state, as a replicated model needs);
-- ``plain read``:  each rank reads the same files into fresh numpy arrays with ``readinto``, one
-                   thread per file (what the load does, without checking or placing anything).
+                   checksum; every rank reads all parameters, as a replicated model needs, and the
+                   optimizer state of the parameters it owns: ZeRO-1 keeps no other);
+- ``plain read``:  each rank reads all the files into fresh numpy arrays with ``readinto``, one
+                   thread per file (what a load reads at most, without checking or placing anything).
 
 JAX: ``hybrid.jax.zero`` state on 2 host devices in one process, ``hybrid.checkpoint.jax.save``
 (the devices' files written in parallel threads) against writing the same files plainly in the
@@ -168,7 +169,8 @@ def _jax_bench(widths, reps: int, root: str) -> dict:
             "num_params": sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))}
 
 
-def _report(title: str, result: dict) -> None:
+def _report(title: str, result: dict, *, goal: bool) -> None:
+    """The table; ``goal``: show issue 22's goal (set for the default model, which it is about)."""
     t = result["times"]
     mb = lambda n: n / 1e6
     rows = []
@@ -181,9 +183,9 @@ def _report(title: str, result: dict) -> None:
                          f"{mb(nbytes) / ms * 1e3:.0f}",
                          f"{statistics.median(t[op]) / statistics.median(t[plain]):.2f}" if mine else "",
                          f"{paired_ratio(t[op], t[plain]):.2f}" if mine else "",
-                         f"{ratios[0]:.2f}..{ratios[-1]:.2f}" if mine else "", f"<= {GOAL[op]}" if mine else ""])
+                         f"{ratios[0]:.2f}..{ratios[-1]:.2f}" if mine else "", f"<= {GOAL[op]}" if mine and goal else ""])
     print(f"\n{title}: {result['num_params']:,} parameters + Adam state; {mb(result['written']):.1f} MB written "
-          f"per rank, {mb(result['read']):.1f} MB read per rank on load; {len(t['save'])} repetitions")
+          f"per rank, {mb(result['read']):.1f} MB of files per rank to load from; {len(t['save'])} repetitions")
     print(format_table(["operation", "median ms", "min..max ms", "MB/s per rank", "hybrid / plain", "paired",
                         "paired min..max", "goal"], rows))
 
@@ -191,7 +193,7 @@ def _report(title: str, result: dict) -> None:
 _LEGEND = ("hybrid / plain: hybrid's median time over plain I/O's of the same bytes; paired: the median over "
            "repetitions of the two\ntimes' ratio in the same repetition (the steadier figure on a shared "
            "machine); lower is better, 1.0 is plain I/O's speed.\nEvery byte a load uses is checked against "
-           "its checksum; the goal column is issue 22's.")
+           "its checksum; the goal column is issue 22's, for the default model.")
 
 
 def main(argv: list[str]) -> int:
@@ -214,9 +216,11 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         out = os.path.join(root, "torch.json")
         mp.spawn(_torch_worker, args=(free_port(), widths, reps, root, out), nprocs=WORLD_SIZE, join=True)
-        _report(f"torch, {WORLD_SIZE} gloo ranks, DDP + ZeroRedundancyOptimizer", json.loads(pathlib.Path(out).read_text()))
+        goal = widths == tuple(int(w) for w in DEFAULT_WIDTHS.split(","))
+        _report(f"torch, {WORLD_SIZE} gloo ranks, DDP + ZeroRedundancyOptimizer", json.loads(pathlib.Path(out).read_text()),
+                goal=goal)
         if not args.skip_jax:
             _report(f"JAX, hybrid.jax.zero on {WORLD_SIZE} host devices, one process",
-                    _jax_bench(widths, reps, root))
+                    _jax_bench(widths, reps, root), goal=goal)
     print("\n" + _LEGEND)
     return 0

@@ -171,16 +171,22 @@ class ShardHeader:
 
 def _pread(fd: int, n: int, offset: int, where: str) -> bytes:
     out = bytearray(n)
-    _pread_into(fd, memoryview(out), offset, where)
+    _pread_into(fd, [memoryview(out)], offset, where)
     return bytes(out)
 
 
-def _pread_into(fd: int, out: memoryview, offset: int, where: str) -> None:
-    while len(out):
-        n = os.preadv(fd, [out], offset)
+def _pread_into(fd: int, buffers: list[memoryview], offset: int, where: str) -> None:
+    """Fill ``buffers`` (consecutive in the file) from ``offset``, in as few system calls as may be."""
+    buffers = [b for b in buffers if len(b)]
+    while buffers:
+        n = os.preadv(fd, buffers, offset)
         if n == 0:
-            raise CheckpointError(f"{where}: ends {len(out)} bytes early: the file is truncated")
-        out, offset = out[n:], offset + n
+            raise CheckpointError(f"{where}: ends {sum(map(len, buffers))} bytes early: the file is truncated")
+        offset += n
+        while buffers and n >= len(buffers[0]):
+            n -= len(buffers.pop(0))
+        if buffers:
+            buffers[0] = buffers[0][n:]
 
 
 def read_ranges(fd: int, header: ShardHeader, requests: list[tuple[int, memoryview]], *, where: str) -> None:
@@ -193,8 +199,14 @@ def read_ranges(fd: int, header: ShardHeader, requests: list[tuple[int, memoryvi
     """
     requests = sorted(((s, out) for s, out in requests if len(out)), key=lambda r: r[0])
     assert all(a + len(out) <= b for (a, out), (b, _) in zip(requests, requests[1:])), "overlapping reads"
-    for start, out in requests:
-        _pread_into(fd, out, header.data_start + start, where)
+    i = 0
+    while i < len(requests):  # ranges that follow each other in the file: one preadv
+        j, end = i + 1, requests[i][0] + len(requests[i][1])
+        while j < len(requests) and requests[j][0] == end and j - i < 512:
+            end += len(requests[j][1])
+            j += 1
+        _pread_into(fd, [out for _, out in requests[i:j]], header.data_start + requests[i][0], where)
+        i = j
     if header.chunk_digests is None:
         return  # formats 1 and 2: the whole file's SHA-256 was checked before
     size = header.chunk_bytes
