@@ -72,3 +72,16 @@ def finish(procs, what: str, *, timeout_s: float) -> list[str]:
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"{what} process {i} exited with {p.returncode}:\n{out[-4000:]}"
     return outs
+
+
+def init_gloo(rank: int, port: int, *, world: int = 2, timeout_s: float = 30) -> None:
+    """Make this process rank ``rank`` of a gloo group meeting on 127.0.0.1:``port``, with one
+    torch thread (the ranks share the machine's cores)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))

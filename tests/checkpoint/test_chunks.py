@@ -167,17 +167,14 @@ def test_format_2_checks_stay(saved):
 def _zero1_worker(path, rank, port, out):
     """A 2-rank ZeRO-1 save; then a byte of Adam's nu that only rank 1 owns is corrupted, and each
     rank loads: rank 0 never reads that chunk, rank 1 does."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from hybrid.checkpoint import torch as ckpt_torch
+    from tests._procs import init_gloo
     from hybrid.torch import DistributedDataParallel, ZeroRedundancyOptimizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    init_gloo(rank, port)
     try:
         def build():
             torch.manual_seed(0)

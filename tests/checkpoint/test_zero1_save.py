@@ -11,7 +11,6 @@ def _overlap_worker(root, rank, port, out):
     """hybrid's ZeroRedundancyOptimizer stepping inside DDP's comm hook: trained, saved, loaded
     into a fresh run and saved again before it steps (every rank then holds all the loaded state,
     pending for the hook's first plan)."""
-    import datetime
     import pathlib
 
     import torch
@@ -19,11 +18,10 @@ def _overlap_worker(root, rank, port, out):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from hybrid.checkpoint import torch as ckpt_torch
+    from tests._procs import init_gloo
     from hybrid.torch import DistributedDataParallel, ZeroRedundancyOptimizer, hook_with_zero_step
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    init_gloo(rank, port)
     try:
         def build():
             torch.manual_seed(0)
