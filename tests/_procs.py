@@ -87,3 +87,16 @@ def start_jax_job(script, num_processes: int, *args: str) -> list:
     return [subprocess.Popen([sys.executable, str(script), str(port), str(num_processes), str(i), *map(str, args)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(num_processes)]
+
+
+def init_gloo(rank: int, port: int, *, world: int = 2, timeout_s: float = 30) -> None:
+    """Make this process rank ``rank`` of a gloo group meeting on 127.0.0.1:``port``, with one
+    torch thread (the ranks share the machine's cores)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))

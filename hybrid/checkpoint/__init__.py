@@ -1,9 +1,9 @@
 """Framework-neutral sharded checkpoints: either frontend saves, either loads, at any world size.
 
 A checkpoint is a directory: ``manifest.json`` (format version, bucket plan and fingerprint,
-world size, stage, step, optimizer and hyperparameters, dtypes, SHA-256 of every file) and one
-safetensors file per rank holding that rank's flat slice of every bucket, for the parameters and
-each optimizer slot. Loading at another world size, bucket layout or framework reshards with
+world size, stage, step, optimizer and hyperparameters, dtypes, each file's size and header
+checksum) and one safetensors file per rank holding that rank's flat slice of every bucket, for
+the parameters and each optimizer slot, with a checksum of every MiB of it in its header. Loading at another world size, bucket layout or framework reshards with
 ``hybrid.core.reshard``. The torch and JAX entry points live in ``hybrid.checkpoint.torch`` and
 ``hybrid.checkpoint.jax`` (imported explicitly, like the frontends). See docs/checkpoints.md.
 """

@@ -1,25 +1,25 @@
-"""Shard files on disk: the safetensors writer, checksums, and a verified reader that reshards on load.
+"""Shard files on disk: writing a rank's file, and a verified reader that reshards on load.
 
-A checkpoint directory holds ``manifest.json`` and one safetensors file per rank, written into a
-staging directory and swapped into place by the protocol of ``_protocol.py``.
+A checkpoint directory holds ``manifest.json`` and one safetensors file per rank (the format of
+``_shard_file.py``), written into a staging directory and swapped into place by the protocol of
+``_protocol.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import os
 import pathlib
 import stat
 import warnings
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
-from hybrid.core import FlatShardPlan, ReshardPlan, reshard, shard_flat, unpack
+from hybrid.core import FlatShardPlan, ReshardPlan, reshard
 from hybrid.checkpoint._protocol import find, staging, write_atomically
 from hybrid.checkpoint._manifest import BODY_DIGEST_KEY, MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
+from hybrid.checkpoint._shard_file import ShardHeader, digest, encode, read_ranges
 
 # numpy has no bfloat16: such tensors are stored as their raw 16 bits, the manifest keeps the name.
 _STORED_AS = {"bfloat16": np.uint16}
@@ -28,30 +28,6 @@ _STORED_AS = {"bfloat16": np.uint16}
 def storage_dtype(dtype: str) -> np.dtype:
     """The numpy dtype a tensor of logical dtype ``dtype`` is stored (and read back) as."""
     return np.dtype(_STORED_AS.get(dtype, dtype))
-
-
-_SAFETENSORS_DTYPE = {"float64": "F64", "float32": "F32", "float16": "F16", "uint16": "U16", "int64": "I64",
-                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
-def _safetensors_chunks(tensors: dict[str, list[np.ndarray]], metadata: dict[str, str] | None = None):
-    """The safetensors format (an 8-byte header length, a JSON header, the raw data), streamed from
-    1-D pieces: each tensor is the concatenation of its pieces, which are never joined in memory."""
-    header, offset = ({"__metadata__": dict(metadata)} if metadata else {}), 0
-    for key, pieces in tensors.items():
-        dtype = pieces[0].dtype
-        assert all(p.dtype == dtype and p.ndim == 1 for p in pieces), key
-        n = sum(p.shape[0] for p in pieces)
-        header[key] = {"dtype": _SAFETENSORS_DTYPE[dtype.name], "shape": [n],
-                       "data_offsets": [offset, offset + n * dtype.itemsize]}
-        offset += n * dtype.itemsize
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    yield len(text).to_bytes(8, "little") + text
-    for pieces in tensors.values():
-        for p in pieces:
-            if p.size:
-                yield memoryview(np.ascontiguousarray(p)).cast("B")
 
 
 def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, list[np.ndarray]], *,
@@ -64,9 +40,9 @@ def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: di
     it binds the manifest's fields to the file's checksum.
     """
     name = shard_file_name(rank, world_size)
-    chunks = _safetensors_chunks(tensors, {BODY_DIGEST_KEY: body_digest})
-    size, sha = write_atomically(staging(path) / name, chunks)
-    return FileEntry(name, rank, size, sha)
+    chunks, header = encode(tensors, {BODY_DIGEST_KEY: body_digest})
+    size = write_atomically(staging(path) / name, chunks, header)
+    return FileEntry(name, rank, size, header_xxh3_128=digest(header()))
 
 
 def _sha256_of(file: pathlib.Path) -> str:
@@ -77,12 +53,22 @@ def _sha256_of(file: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+def _open_regular(file: pathlib.Path) -> int:
+    try:
+        # O_NOFOLLOW: a file swapped for a link after verify() is refused, not read through.
+        return os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be opened as a regular file ({e})") from None
+
+
 class Checkpoint:
     """A saved checkpoint, opened for reading: its manifest, verified files and resharding reads.
 
-    Opening reads and checks the manifest; :meth:`verify` checks every file's size and SHA-256
-    (loaders call it before changing anything, so a bad file is found before half a model is
-    loaded). Reads go through safetensors slices: a rank reads only the elements it needs.
+    Opening reads and checks the manifest. :meth:`verify` checks every file (present, a regular
+    file of the saved size, its header's checksum, the tensors and the manifest body it was
+    written for); loaders call it before changing anything. Reads check the data they read: a
+    format-3 file records a checksum per MiB of data, so a rank reads and checks only the chunks
+    holding the elements it needs (formats 1 and 2: :meth:`verify` hashes each whole file first).
 
     >>> import numpy as np, tempfile, os
     >>> from hybrid.checkpoint import save_arrays
@@ -102,17 +88,19 @@ class Checkpoint:
             raise CheckpointError(f"{manifest_file} is missing: not a checkpoint, or a save that never finished")
         self.path = path
         self.manifest = Manifest.loads(manifest_file.read_text(), where=str(manifest_file))
-        self._handles: dict[int, object] = {}
-        self._verified: set[int] = set()
+        self._headers: dict[int, ShardHeader] = {}
         self._warned_unbound = False
 
     def file(self, rank: int) -> pathlib.Path:
         return self.path / self.manifest.files[rank].name
 
     def verify(self, ranks=None) -> None:
-        """Check the files of ``ranks`` (default all): present, of the saved size, same SHA-256."""
+        """Check the files of ``ranks`` (default all): present, regular, of the saved size, with
+        the checksum the manifest holds (format 3: of the header, which holds the data's chunk
+        checksums, checked as the data is read; formats 1 and 2: of the whole file), holding the
+        manifest's tensors, written for this manifest's fields."""
         entries = {f.rank: f for f in self.manifest.files}
-        todo = sorted(set(range(self.manifest.world_size) if ranks is None else ranks) - self._verified)
+        todo = sorted(set(range(self.manifest.world_size) if ranks is None else ranks) - set(self._headers))
         for rank in todo:
             file = self.path / entries[rank].name
             try:
@@ -123,30 +111,39 @@ class Checkpoint:
                 # A link inside a downloaded checkpoint could point anywhere on this machine.
                 raise CheckpointError(f"{file}: shard file of rank {rank} is not a regular file (a symbolic "
                                       f"link or a special file): refusing to read through it")
-            size = info.st_size
-            if size != entries[rank].nbytes:
-                raise CheckpointError(f"{file}: {size} bytes, the manifest says {entries[rank].nbytes}: the file is "
-                                      f"truncated or was replaced")
-        # hashlib releases the GIL on large blocks: the files hash in parallel.
-        with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1) or 1) as pool:
-            digests = dict(zip(todo, pool.map(lambda r: _sha256_of(self.path / entries[r].name), todo)))
+            self._check_size(rank, file, info.st_size)
+        if self.manifest.format_version < 3 and todo:
+            # hashlib releases the GIL on large blocks: the files hash in parallel.
+            with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
+                digests = dict(zip(todo, pool.map(lambda r: _sha256_of(self.path / entries[r].name), todo)))
+            for rank in todo:
+                if digests[rank] != entries[rank].sha256:
+                    raise CheckpointError(f"{self.path / entries[rank].name}: SHA-256 differs from the manifest's: "
+                                          f"the file is corrupt")
         for rank in todo:
             file = self.path / entries[rank].name
-            if digests[rank] != entries[rank].sha256:
-                raise CheckpointError(f"{file}: SHA-256 differs from the manifest's: the file is corrupt")
+            fd = _open_regular(file)
             try:
-                keys = set(self._open(rank).keys())
-            except SafetensorError as e:
-                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
-            missing = sorted(set(self.manifest.dtypes) - keys)
+                header = ShardHeader.read(fd, os.fstat(fd).st_size, where=str(file), xxh3_128=(
+                    entries[rank].header_xxh3_128 if self.manifest.format_version >= 3 else None))
+            finally:
+                os.close(fd)
+            if header.chunk_digests is None and self.manifest.format_version >= 3:
+                raise CheckpointError(f"{file}: its header holds no chunk checksums, which format 3 records")
+            missing = sorted(set(self.manifest.dtypes) - set(header.tensors))
             if missing:
                 raise CheckpointError(f"{file}: lacks tensors {missing} that the manifest lists")
-            self._check_binding(rank, file)
-            self._verified.add(rank)
+            self._check_binding(header, file)
+            self._headers[rank] = header
 
-    def _check_binding(self, rank: int, file: pathlib.Path) -> None:
+    def _check_size(self, rank: int, file: pathlib.Path, size: int) -> None:
+        if size != self.manifest.files[rank].nbytes:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {self.manifest.files[rank].nbytes}: the "
+                                  f"file is truncated or was replaced")
+
+    def _check_binding(self, header: ShardHeader, file: pathlib.Path) -> None:
         """The manifest's fields are those the file was written for (its header holds their digest)."""
-        recorded = (self._open(rank).metadata() or {}).get(BODY_DIGEST_KEY)
+        recorded = header.metadata.get(BODY_DIGEST_KEY)
         if recorded is None and self.manifest.format_version == 1:
             if not self._warned_unbound:
                 warnings.warn(f"{self.path}: a format-1 checkpoint; its manifest's fields (step, optimizer "
@@ -160,15 +157,46 @@ class Checkpoint:
                                   f"was written for (manifest body SHA-256 {self.manifest.body_digest()[:12]}..., "
                                   f"the file records {str(recorded)[:12]}...)")
 
-    def _open(self, rank: int):
-        if rank not in self._handles:
-            self._handles[rank] = safe_open(str(self.file(rank)), framework="np")
-        return self._handles[rank]
+    def _read(self, requests: dict[int, list[tuple[str, int, np.ndarray]]]) -> None:
+        """Fill arrays from the files: ``requests[rank]`` lists ``(key, first element, out)``, the
+        elements ``[first, first + len(out))`` of tensor ``key`` into the 1-D array ``out``.
+        Every chunk read is checked; files are read in parallel (preadv releases the GIL)."""
+        self.verify(list(requests))
+
+        def read_file(rank):
+            header, file = self._headers[rank], self.file(rank)
+            ranges = []
+            for key, first, out in requests[rank]:
+                entry = header.tensors.get(key)
+                if entry is None or entry.dtype != out.dtype or first + len(out) > entry.numel:
+                    found = "nothing" if entry is None else f"{entry.dtype}[{entry.numel}]"
+                    raise CheckpointError(f"{file}: tensor {key!r} holds {found}, the plan needs {out.dtype} elements "
+                                          f"{first}..{first + len(out)}")
+                ranges.append((entry.start + first * out.dtype.itemsize, memoryview(out).cast("B")))
+            fd = _open_regular(file)
+            try:
+                self._check_size(rank, file, os.fstat(fd).st_size)
+                read_ranges(fd, header, ranges, where=str(file))
+            finally:
+                os.close(fd)
+
+        ranks = sorted(requests)
+        if len(ranks) <= 1:
+            for rank in ranks:
+                read_file(rank)
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(len(ranks), os.cpu_count() or 1)) as pool:
+            list(pool.map(read_file, ranks))
 
     def read(self, rank: int, key: str, start: int, stop: int) -> np.ndarray:
         """Elements ``[start, stop)`` of tensor ``key`` (``"params/0"``) in rank ``rank``'s file."""
         self.verify([rank])
-        return self._open(rank).get_slice(key)[start:stop]
+        entry = self._headers[rank].tensors.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.file(rank)}: holds no tensor {key!r}")
+        out = np.empty(stop - start, entry.dtype)
+        self._read({rank: [(key, start, out)]})
+        return out
 
     def kinds(self) -> list[str]:
         """What is saved per bucket: ``"params"`` and the optimizer's slots."""
@@ -179,29 +207,59 @@ class Checkpoint:
 
     def slices(self, kind: str, plan: ReshardPlan, rank: int) -> list[np.ndarray]:
         """Rank ``rank``'s slices of every bucket of ``plan.dst`` for ``kind`` (stored dtypes)."""
-        self.verify(plan.sources(rank))
-        dtypes = [storage_dtype(b.dtype) for b in plan.dst.bucket_plan.buckets]
-        return plan.gather(rank, lambda r, b, lo, hi: self.read(r, f"{kind}/{b}", lo, hi), dtypes)
+        return self._gather(kind, plan, [rank])
 
-    def tensors(self, kind: str) -> dict[str, np.ndarray]:
-        """Every tensor of ``kind`` whole, by name, in registration order (stored dtypes)."""
-        whole = shard_flat(self.manifest.plan, 1)
-        flats = self.slices(kind, self.reshard_to(whole), 0)
-        per_index = {}
-        for b, flat in enumerate(flats):
-            per_index.update(unpack(self.manifest.plan, b, flat))
-        specs = self.manifest.plan.specs
-        return {specs[i].name: np.array(per_index[i]) for i in range(len(specs))}
+    def buckets(self, kind: str, plan: ReshardPlan) -> list[np.ndarray]:
+        """Every bucket of ``plan.dst`` whole (every rank's slice, padded) for ``kind``: the
+        global flat arrays of a sharded optimizer state, each read straight into place."""
+        return self._gather(kind, plan, range(plan.dst.world_size))
+
+    def _gather(self, kind: str, plan: ReshardPlan, ranks) -> list[np.ndarray]:
+        """The slices of the consecutive destination ``ranks``, one array per bucket; padding is zero."""
+        sizes = plan.dst.shard_sizes
+        out = [np.empty(n * len(ranks), storage_dtype(b.dtype)) for n, b in zip(sizes, plan.dst.bucket_plan.buckets)]
+        requests: dict[int, list] = {}
+        for j, rank in enumerate(ranks):
+            filled = [0] * len(sizes)  # copies come sorted by destination: what lies between is padding
+            for c in plan.copies(rank):
+                flat, base = out[c.dst_bucket], j * sizes[c.dst_bucket]
+                flat[base + filled[c.dst_bucket]:base + c.dst_start] = 0
+                requests.setdefault(c.src_rank, []).append(
+                    (f"{kind}/{c.src_bucket}", c.src_start, flat[base + c.dst_start:base + c.dst_start + c.length]))
+                filled[c.dst_bucket] = c.dst_start + c.length
+            for b, n in enumerate(sizes):
+                out[b][j * n + filled[b]:(j + 1) * n] = 0
+        self._read(requests)
+        return out
+
+    def tensors(self, kind: str, names=None) -> dict[str, np.ndarray]:
+        """The tensors of ``kind`` (default every one) whole, by name, in registration order
+        (stored dtypes); each is read straight from the files into its own array."""
+        plan, shards = self.manifest.plan, self.manifest.shards
+        out, requests = {}, {}
+        for i, spec in enumerate(plan.specs):
+            if names is not None and spec.name not in names:
+                continue
+            b, position = plan.locate(i)
+            offset, size = plan.buckets[b].offsets[position], shards.shard_sizes[b]
+            array = np.empty(spec.numel, storage_dtype(spec.dtype))
+            k = 0
+            while k < spec.numel:  # the runs of the tensor in consecutive ranks' slices
+                rank, start = divmod(offset + k, size)
+                n = min(spec.numel - k, size - start)
+                requests.setdefault(rank, []).append((f"{kind}/{b}", start, array[k:k + n]))
+                k += n
+            out[spec.name] = array.reshape(spec.shape)
+        self._read(requests)
+        return out
 
     def buffers(self) -> dict[str, np.ndarray]:
         """The replicated buffers by name, whole (stored dtypes), from rank 0's file."""
         if not self.manifest.buffers:
             return {}
-        self.verify([0])
-        out = {}
-        for name, entry in self.manifest.buffers.items():
-            n = int(np.prod(entry["shape"], dtype=np.int64))
-            out[name] = self.read(0, f"buffers/{name}", 0, n).reshape(entry["shape"])
+        out = {name: np.empty(entry["shape"], storage_dtype(entry["dtype"]))
+               for name, entry in self.manifest.buffers.items()}
+        self._read({0: [(f"buffers/{name}", 0, a.reshape(-1)) for name, a in out.items()]})
         return out
 
     def run_state(self) -> dict:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any
 
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
 
 FORMAT = "hybrid-checkpoint"
-FORMAT_VERSION = 2
-# Version 1 had no manifest binding (below); it is still read, with a warning.
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+# Version 1 had no manifest binding (below); it is still read, with a warning. Versions 1 and 2
+# hold one SHA-256 per file (the whole file is hashed before a load); version 3 a checksum of each
+# file's header, which holds a checksum per chunk of its data (``_shard_file.py``).
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 # The key, in each shard file's safetensors metadata, of the digest of the manifest's body.
 BODY_DIGEST_KEY = "hybrid.manifest_body_sha256"
@@ -24,6 +27,12 @@ class CheckpointError(ValueError):
 
 def shard_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def shard_file_rank(name: str) -> int | None:
+    """The rank whose shard file ``name`` is (None: not a shard file's name)."""
+    m = re.fullmatch(r"rank-(\d+)-of-\d+\.safetensors", name)
+    return None if m is None else int(m.group(1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +87,21 @@ class OptimizerInfo:
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
-    """One rank's file: its name, size in bytes and SHA-256."""
+    """One rank's file: its name, size in bytes and checksum.
+
+    Format 3: ``header_xxh3_128``, the XXH3-128 of the file's safetensors header (the 8 length
+    bytes and the JSON), which records the XXH3-128 of every chunk of the data. Formats 1 and 2:
+    ``sha256``, the SHA-256 of the whole file.
+    """
 
     name: str
     rank: int
     nbytes: int
-    sha256: str
+    sha256: str | None = None
+    header_xxh3_128: str | None = None
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +126,9 @@ class Manifest:
     buffers: dict[str, dict] = dataclasses.field(default_factory=dict)
     # The rest of a run: {"scheduler": an LR scheduler's state_dict(), "state": the user's JSON}.
     run_state: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # The version it was read as (a new manifest is written as FORMAT_VERSION); not part of the body.
+    # The version it was written as (FORMAT_VERSION for a new one). It is in the body its files
+    # record, so an older checkpoint's digest is recomputed as it was written, and an edited
+    # version number is caught like any other edited field.
     format_version: int = dataclasses.field(default=FORMAT_VERSION, compare=False)
 
     @property
@@ -119,7 +136,7 @@ class Manifest:
         return shard_flat(self.plan, self.world_size)
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, "framework": self.framework,
+        return {"format": FORMAT, "format_version": self.format_version, "framework": self.framework,
                 "world_size": self.world_size, "stage": self.stage, "step": self.step,
                 "plan": self.plan.to_json(), "plan_fingerprint": self.plan.fingerprint(),
                 "shard_fingerprint": self.shards.fingerprint(),
@@ -172,6 +189,11 @@ class Manifest:
         if plan.fingerprint() != d.get("plan_fingerprint"):
             raise CheckpointError(f"{where}: the plan does not match its fingerprint "
                                   f"({plan.fingerprint()} vs {d.get('plan_fingerprint')!r}): the manifest was edited")
+        checksum = "header_xxh3_128" if manifest.format_version >= 3 else "sha256"
+        unchecked = [f.rank for f in manifest.files if not isinstance(getattr(f, checksum), str)]
+        if unchecked:
+            raise CheckpointError(f"{where} was edited after the save: format version {manifest.format_version} "
+                                  f"records the {checksum} of every file, the files of ranks {unchecked} have none")
         ranks = sorted(f.rank for f in manifest.files)
         if ranks != list(range(manifest.world_size)):
             raise CheckpointError(f"{where}: lists files for ranks {ranks}, expected one per rank "

@@ -25,7 +25,7 @@ writing (every rank)
      old checkpoint in ``.previous``, the next save puts it back (step 1).
   7. rename ``.saving`` to PATH: **the commit point**. From here on PATH holds the new checkpoint.
   8. fsync PATH's parent directory.
-  9. remove ``.previous``.
+  9. remove ``.previous``: each rank its own old files (in parallel), then one process the rest.
 
 ``Checkpoint(PATH)`` reads PATH if it holds a manifest, else ``.previous`` (with a warning).
 The crash-injection test (tests/checkpoint/test_protocol.py) stops a save before each of these
@@ -36,12 +36,11 @@ coordinated (one saver at a time, as in any training run).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import warnings
 
-from hybrid.checkpoint._manifest import MANIFEST, Manifest
+from hybrid.checkpoint._manifest import MANIFEST, Manifest, shard_file_rank
 
 
 class FileSystem:
@@ -57,19 +56,23 @@ class FileSystem:
         self.before("mkdir", path)
         path.mkdir(parents=True)
 
-    def write(self, part: pathlib.Path, chunks) -> tuple[int, str]:
-        """Write ``chunks`` to ``part`` and fsync it; returns (bytes, SHA-256)."""
-        digest, size = hashlib.sha256(), 0
+    def write(self, part: pathlib.Path, chunks, header=None) -> int:
+        """Write ``chunks`` (bytes-like) to ``part``, then ``header()`` over its first bytes if
+        given, and fsync it; returns the size."""
+        size = 0
         self.before("create", part)
         with open(part, "wb") as f:
             for i, chunk in enumerate(chunks):
                 if i == 1:  # a crash here leaves a partly written file
                     self.before("write", part)
-                digest.update(chunk)
                 size += f.write(chunk)
             f.flush()
+            if header is not None:
+                data, pos = memoryview(header()), 0
+                while pos < len(data):
+                    pos += os.pwrite(f.fileno(), data[pos:], pos)
             os.fsync(f.fileno())
-        return size, digest.hexdigest()
+        return size
 
     def replace(self, src: pathlib.Path, dst: pathlib.Path) -> None:
         self.before("rename", src)
@@ -82,6 +85,10 @@ class FileSystem:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def unlink(self, path: pathlib.Path) -> None:
+        self.before("unlink", path)
+        path.unlink()
 
     def remove_tree(self, path: pathlib.Path) -> None:
         """Remove ``path`` and what it holds, one file at a time (a crash may stop it midway)."""
@@ -124,12 +131,13 @@ def previous(path: str | os.PathLike) -> pathlib.Path:
     return path.parent / f".{path.name}.previous"
 
 
-def write_atomically(target: pathlib.Path, chunks) -> tuple[int, str]:
-    """Write ``chunks`` (bytes-like) to ``target.part``, fsync, rename; returns (bytes, SHA-256)."""
+def write_atomically(target: pathlib.Path, chunks, header=None) -> int:
+    """Write ``chunks`` (and ``header()`` over the first bytes) to ``target.part``, fsync, rename;
+    returns the size."""
     part = target.with_name(target.name + ".part")
-    size, sha = fs.write(part, chunks)
+    size = fs.write(part, chunks, header)
     fs.replace(part, target)
-    return size, sha
+    return size
 
 
 def begin_save(path: str | os.PathLike) -> pathlib.Path:
@@ -145,8 +153,10 @@ def begin_save(path: str | os.PathLike) -> pathlib.Path:
     return stage
 
 
-def commit_save(path: str | os.PathLike, manifest: Manifest) -> None:
-    """Steps 5-9: write the manifest last, then swap the staging directory into ``path`` (one process)."""
+def commit_save(path: str | os.PathLike, manifest: Manifest, *, remove_previous: bool = True) -> None:
+    """Steps 5-9: write the manifest last, then swap the staging directory into ``path`` (one
+    process). ``remove_previous=False`` leaves step 9 to the caller (:func:`remove_previous_shards`
+    on every rank, then :func:`remove_previous`)."""
     path, stage, prev = resolve(path), staging(path), previous(path)
     write_atomically(stage / MANIFEST, [manifest.dumps().encode()])
     fs.fsync_dir(stage)
@@ -157,7 +167,26 @@ def commit_save(path: str | os.PathLike, manifest: Manifest) -> None:
         fs.replace(path, prev)
     fs.replace(stage, path)
     fs.fsync_dir(path.parent)
-    fs.remove_tree(prev)
+    if remove_previous:
+        fs.remove_tree(prev)
+
+
+def remove_previous_shards(path: str | os.PathLike, rank: int, world_size: int, *, map=map) -> None:
+    """Step 9 shared out, after the commit: remove the shard files of the replaced checkpoint
+    that ``rank`` of ``world_size`` owns (ranks ``rank``, ``rank + world_size``, ...), so that
+    freeing the old files costs each rank what overwriting its own would; ``map`` may run the
+    removals in threads. Then one process removes what is left with :func:`remove_previous`."""
+    prev = previous(path)
+    if prev.is_symlink() or not prev.is_dir():
+        return
+    mine = [prev / name for name in sorted(os.listdir(prev))
+            if shard_file_rank(name) is not None and shard_file_rank(name) % world_size == rank]
+    list(map(fs.unlink, mine))
+
+
+def remove_previous(path: str | os.PathLike) -> None:
+    """Step 9: remove the replaced checkpoint (what is left of it)."""
+    fs.remove_tree(previous(path))
 
 
 def find(path: str | os.PathLike) -> pathlib.Path:

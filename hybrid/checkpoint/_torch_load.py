@@ -17,7 +17,7 @@ from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint._torch_state import (
     TORCH_KEY_OF_SLOT, _group_sizes, _inner, _params_in_state_order, _specs, _torch, _unwrap, expected_slots,
-    named_buffers, named_parameters, param_names_by_group)
+    kept_states, named_buffers, named_parameters, param_names_by_group)
 
 _NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")
 
@@ -64,16 +64,18 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
 
 
-def torch_states(ckpt: Checkpoint, info: OptimizerInfo, likes: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+def torch_states(ckpt: Checkpoint, info: OptimizerInfo, likes: list[torch.Tensor],
+                 names=None) -> dict[int, dict[str, Any]]:
     """torch's per-parameter state (checkpoint order) from the slots: nothing for a parameter the
-    manifest says has no state, each its own step count, only the slots it holds."""
+    manifest says has no state, each its own step count, only the slots it holds. ``names``: only
+    those parameters' (the others' state is not read)."""
     specs = ckpt.manifest.plan.specs
     if info.count == 0 and not info.counts:
         return {}  # never stepped: a fresh torch optimizer holds no state
-    slots = {s: ckpt.tensors(s) for s in info.slots}
+    slots = {s: ckpt.tensors(s, names) for s in info.slots}
     state = {}
     for i, (spec, like) in enumerate(zip(specs, likes)):
-        if not info.has_state(spec.name):
+        if not info.has_state(spec.name) or (names is not None and spec.name not in names):
             continue
         st: dict[str, Any] = {"step": torch.tensor(float(info.count_of(spec.name)))} if info.name != "sgd" else {}
         for slot in info.slots:
@@ -199,7 +201,9 @@ def _optimizer_state_dict(ckpt: Checkpoint, named, optimizer, hyperparameters: s
                                       f"without AMSGrad's max_exp_avg_sq")
     position = {n: i for i, n in enumerate(s.name for s in ckpt.manifest.plan.specs)}
     like_of = dict(named)
-    saved = torch_states(ckpt, info, [like_of[s.name] for s in ckpt.manifest.plan.specs])
+    kept = kept_states(optimizer)  # a ZeRO-1 rank keeps (so reads) only the state it owns
+    saved = torch_states(ckpt, info, [like_of[s.name] for s in ckpt.manifest.plan.specs],
+                         None if kept is None else {name_of[i] for i in kept})
     state = {}
     for i, p in enumerate(order):
         st = saved.get(position[name_of[id(p)]])

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.core import pack, plan_buckets, shard_flat
-from hybrid.checkpoint._files import write_shard
-from hybrid.checkpoint._protocol import begin_save, commit_save
+from hybrid.core import BucketPlan, plan_buckets, rebuild_plan, shard_flat
+from hybrid.checkpoint._files import storage_dtype, write_shard
+from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous, remove_previous_shards
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
-from hybrid.checkpoint._write import _stored_plan, buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays
+from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
 from hybrid.checkpoint._torch_state import (
     _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _local_states, _numpy,
     _slots_and_count, _specs, expected_slots, named_buffers, named_parameters, optimizer_info)
@@ -113,6 +113,8 @@ def _collective(path, what: str, fn, *args, **kwargs):
 
 def _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, group, extras):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if rank == 0:
+        begin_save(path)  # the collective below tells every rank it is done: no barrier of its own
     # One object collective settles what every rank must agree on before any data moves: each
     # parameter's step count and which slots it holds, wherever its state lives.
     mine = (counts, {s: sorted(v) for s, v in slots.items()})
@@ -127,46 +129,21 @@ def _save_distributed(path, params, slots, counts, describe, complete, plan, ste
         for s, names in their_slots.items():
             holders.setdefault(s, set()).update(names)
     info = describe(all_counts, holders) if describe else None
-    shards = shard_flat(plan, world_size)
-    stored = _stored_plan(plan)
     names = [s.name for s in plan.specs]
-
-    def flats(arrays):
-        ordered = [arrays[n] for n in names]
-        return [pack(stored, b, ordered, length=shards.padded_length(b)) for b in range(plan.num_buckets)]
-
-    all_arrays = {"params": [params[n] for n in names]}
-    all_flats = {}
-    for slot, arrays in _fill_slots(params, slots, info).items():
-        if complete:
-            all_arrays[slot] = [arrays[n] for n in names]
-            continue
-        # Each rank holds whole tensors of its own share (zeros elsewhere). Summing slice r over the
-        # ranks onto rank r gives rank r its slice of the whole state, exactly (x + 0 == x): one
-        # reduce per slice moves half the bytes an all-reduce would.
-        per_bucket = flats(arrays)
-        works = []
-        for b, flat in enumerate(per_bucket):
-            t = torch.from_numpy(flat.view(np.int16) if flat.dtype == np.uint16 else flat)
-            if flat.dtype == np.uint16:
-                t = t.view(torch.bfloat16)
-            for r in range(world_size):
-                lo, hi = shards.shard_range(b, r)
-                if hi > lo:
-                    works.append(_collective(path, f"the reduce of {slot} bucket {b} onto rank {r}", dist.reduce,
-                                             t[lo:hi], dst=dist.get_global_rank(group, r) if group else r,
-                                             group=group, async_op=True))
-        for w in works:
-            _collective(path, f"the reduces of {slot}", w.wait)
-        all_flats[slot] = per_bucket
+    kinds = ["params", *(info.slots if info else ())]
+    arrays = {"params": [params[n] for n in names]}
+    if complete:
+        arrays.update({slot: [a[n] for n in names] for slot, a in _fill_slots(params, slots, info).items()})
+    else:
+        owners = {s: {n: r for r, (_, theirs) in enumerate(everyone) for n in theirs.get(s, ())} for s in kinds[1:]}
+        plan = _owner_ordered(plan, owners)
+    tensors = rank_tensors(plan, world_size, rank, arrays=arrays)
+    if not complete:
+        tensors.update(_exchange_slots(path, plan, group, slots, owners))
     buffer_meta, buffer_tensors = buffer_entries(extras["buffers"])
-    if rank == 0:
-        begin_save(path)
-    _collective(path, "the barrier before writing", dist.barrier, group=group)
     # Every rank builds the same manifest body (the file list aside): its digest goes in each file.
-    body = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, [*all_arrays, *all_flats]),
+    body = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, kinds),
                     (), dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])
-    tensors = rank_tensors(plan, world_size, rank, flats=all_flats, arrays=all_arrays)
     entry = write_shard(path, rank, world_size, {**tensors, **buffer_tensors} if rank == 0 else tensors,
                         body_digest=body.body_digest())
     entries: list = [None] * world_size
@@ -174,10 +151,90 @@ def _save_distributed(path, params, slots, counts, describe, complete, plan, ste
     manifest = None
     if rank == 0:
         manifest = dataclasses.replace(body, files=tuple(entries))
-        commit_save(path, manifest)
+        commit_save(path, manifest, remove_previous=False)
     # Nobody returns (and perhaps loads) before the manifest is in place.
     _collective(path, "the barrier after the manifest", dist.barrier, group=group)
+    # The replaced checkpoint: each rank frees its own old files, rank 0 the rest once they are gone.
+    remove_previous_shards(path, rank, world_size)
+    _collective(path, "the barrier after removing the replaced checkpoint", dist.barrier, group=group)
+    if rank == 0:
+        remove_previous(path)
     return manifest
+
+
+def _owner_ordered(plan: BucketPlan, owners: dict[str, dict[str, int]]) -> BucketPlan:
+    """The checkpoint plan of a ZeRO-1 save: the tensors in order of the rank owning their state
+    (state-less ones last), one bucket per dtype. Its equal slices then follow the owners, so a
+    rank's file is, up to the partition's imbalance, the state it holds: only the elements on the
+    wrong side of a cut move between ranks. Any plan loads anywhere (the loader reshards by name).
+
+    >>> from hybrid.core import TensorSpec, plan_buckets
+    >>> plan = plan_buckets([TensorSpec(n, (4,), "float32") for n in "abc"])
+    >>> _owner_ordered(plan, {"mu": {"a": 1, "b": 0, "c": 1}}).bucket_indices()
+    [[1, 0, 2]]
+    """
+    def owner(i):
+        found = [by_name[plan.specs[i].name] for by_name in owners.values() if plan.specs[i].name in by_name]
+        return min(found, default=len(plan.specs) + 1)
+
+    order = sorted(range(len(plan.specs)), key=lambda i: (owner(i), i))
+    return rebuild_plan(plan, order, size_limits=[1 << 62])
+
+
+def _exchange_slots(path, plan, group, slots, owners) -> dict[str, list[np.ndarray]]:
+    """This rank's slices of the optimizer slots of a ZeRO-1 run, whose ranks each hold the whole
+    state of the tensors they own (``owners[slot][name]``): every owner sends each other rank the
+    parts of its tensors that lie in that rank's slices, one message per pair of ranks (no zeros,
+    no sums: half the bytes of a reduce per slice, and no packed copy of the buckets)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    shards = shard_flat(plan, world_size)
+    names = [s.name for s in plan.specs]
+    dtypes = [storage_dtype(b.dtype) for b in plan.buckets]
+
+    def message(src: int, dst: int):
+        """What ``src`` sends ``dst``: ``[(slot, bucket, member slice, byte offset)]`` and the size,
+        in an order every rank computes alike; pieces 8-byte aligned so they view as any dtype."""
+        items, size = [], 0
+        for slot in owners:
+            for b in range(plan.num_buckets):
+                for m in shards.member_slices(b, dst):
+                    if owners[slot].get(names[m.tensor]) == src:
+                        items.append((slot, b, m, size))
+                        size += -(-(m.stop - m.start) * dtypes[b].itemsize // 8) * 8
+        return items, size
+
+    peer = lambda r: dist.get_global_rank(group, r) if group is not None else r
+    works, received = [], {}
+    for other in range(world_size):
+        if other == rank:
+            continue
+        items, size = message(rank, other)
+        if size:
+            out = np.empty(size, np.uint8)
+            for slot, b, m, at in items:
+                piece = slots[slot][names[m.tensor]].reshape(-1)[m.start:m.stop]
+                out[at:at + piece.nbytes] = piece.view(np.uint8)
+            works.append(dist.isend(torch.from_numpy(out), peer(other), group=group))
+        items, size = message(other, rank)
+        if size:
+            into = np.empty(size, np.uint8)
+            works.append(dist.irecv(torch.from_numpy(into), peer(other), group=group))
+            for slot, b, m, at in items:
+                n = (m.stop - m.start) * dtypes[b].itemsize
+                received[slot, b, m.tensor] = into[at:at + n].view(dtypes[b])
+    for w in works:
+        _collective(path, "the exchange of optimizer state between ranks", w.wait)
+
+    def piece(slot, b, m):
+        owner = owners[slot].get(names[m.tensor])
+        if owner == rank:
+            return slots[slot][names[m.tensor]].reshape(-1)[m.start:m.stop]
+        if owner is None:  # no state anywhere yet: zeros on disk, the manifest says none is restored
+            return np.zeros(m.stop - m.start, dtypes[b])
+        return received[slot, b, m.tensor]
+
+    return {f"{slot}/{b}": slice_pieces(shards, b, rank, piece=lambda m, slot=slot, b=b: piece(slot, b, m))
+            for slot in owners for b in range(plan.num_buckets)}
 
 
 def save_state_dicts(path: str | os.PathLike, model_state_dict: dict[str, torch.Tensor],

@@ -72,6 +72,15 @@ def _is_zero1(optimizer) -> bool:
     return isinstance(optimizer, (ZeroRedundancyOptimizer, TorchZero))
 
 
+def kept_states(optimizer) -> set[int] | None:
+    """The ids of the parameters whose state ``optimizer.load_state_dict`` keeps (None: every
+    one): a ZeRO-1 rank keeps that of the parameters it owns (once its overlap hook has assigned
+    buckets, which happens later: there, every one)."""
+    if _is_zero1(optimizer) and not getattr(optimizer, "_overlap_with_ddp", False):
+        return {id(p) for p, r in optimizer._param_to_rank.items() if r == optimizer.rank}
+    return None
+
+
 def _params_in_state_order(optimizer) -> list[torch.Tensor]:
     """The parameter behind each index of ``optimizer.state_dict()`` (torch's numbering)."""
     if _is_zero2(optimizer):

@@ -6,13 +6,13 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat
+from hybrid.core import BucketPlan, FlatShardPlan, MemberSlice, TensorSpec, canonical_dtype, plan_buckets, shard_flat
 from hybrid.checkpoint._files import storage_dtype, write_shard
-from hybrid.checkpoint._protocol import begin_save, commit_save
+from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous, remove_previous_shards
 from hybrid.checkpoint._manifest import Manifest, OptimizerInfo
 
 
@@ -22,9 +22,11 @@ def to_storage(array: np.ndarray) -> np.ndarray:
     return array.view(storage_dtype(canonical_dtype(array.dtype)))
 
 
-def slice_pieces(shards: FlatShardPlan, bucket: int, rank: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+def slice_pieces(shards: FlatShardPlan, bucket: int, rank: int, arrays: Sequence[np.ndarray] | None = None, *,
+                 piece: Callable[[MemberSlice], np.ndarray] | None = None) -> list[np.ndarray]:
     """Rank ``rank``'s slice of bucket ``bucket`` as 1-D pieces of ``arrays`` (one per spec, stored
-    dtypes) and zeros for alignment gaps and padding: the bucket is never packed whole.
+    dtypes), or of what ``piece(member_slice)`` gives, and zeros for alignment gaps and padding:
+    the bucket is never packed whole.
 
     >>> from hybrid.core import TensorSpec, plan_buckets, shard_flat
     >>> plan = plan_buckets([TensorSpec("a", (3,), "float32"), TensorSpec("b", (2,), "float32")])
@@ -32,13 +34,15 @@ def slice_pieces(shards: FlatShardPlan, bucket: int, rank: int, arrays: Sequence
     >>> [p.tolist() for p in slice_pieces(shard_flat(plan, 2), 0, 1, arrays)]
     [[10.0, 11.0], [0.0]]
     """
+    if piece is None:
+        piece = lambda m: np.asarray(arrays[m.tensor]).reshape(-1)[m.start:m.stop]
     start, stop = shards.shard_range(bucket, rank)
     dtype = storage_dtype(shards.bucket_plan.buckets[bucket].dtype)
     pieces, pos = [], 0
     for m in shards.member_slices(bucket, rank):
         if m.shard_offset > pos:
             pieces.append(np.zeros(m.shard_offset - pos, dtype))
-        pieces.append(np.asarray(arrays[m.tensor]).reshape(-1)[m.start:m.stop])
+        pieces.append(piece(m))
         pos = m.shard_offset + m.stop - m.start
     if stop - start > pos or not pieces:
         pieces.append(np.zeros(stop - start - pos, dtype))
@@ -104,8 +108,10 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
     with concurrent.futures.ThreadPoolExecutor(min(world_size, 8)) as pool:
         files = list(pool.map(lambda r: write_shard(path, r, world_size, contents(r), body_digest=digest),
                               range(world_size)))
-    manifest = dataclasses.replace(body, files=tuple(files))
-    commit_save(path, manifest)
+        manifest = dataclasses.replace(body, files=tuple(files))
+        commit_save(path, manifest, remove_previous=False)
+        remove_previous_shards(path, 0, 1, map=pool.map)
+    remove_previous(path)
     return manifest
 
 
@@ -164,12 +170,3 @@ def check_json(value: dict, what: str) -> dict:
                              f"tensors and arrays with .tolist()) before saving") from None
     return value
 
-
-def _stored_plan(plan: BucketPlan) -> BucketPlan:
-    """The plan with bfloat16 renamed to its storage dtype, so ``pack`` accepts the uint16 bits."""
-    if not any(s.dtype == "bfloat16" for s in plan.specs):
-        return plan
-    rename = lambda d: "uint16" if d == "bfloat16" else d
-    specs = tuple(dataclasses.replace(s, dtype=rename(s.dtype)) for s in plan.specs)
-    buckets = tuple(dataclasses.replace(b, dtype=rename(b.dtype)) for b in plan.buckets)
-    return BucketPlan(specs, buckets, plan.size_limits, plan.alignment)

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._write", "hybrid.checkpoint._manifest",
+MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._shard_file", "hybrid.checkpoint._write", "hybrid.checkpoint._manifest",
            "hybrid.checkpoint._torch_save", "hybrid.checkpoint._torch_load", "hybrid.checkpoint.jax",
            "hybrid.checkpoint._optax_groups"]
 

@@ -71,7 +71,10 @@ def test_round_trip_is_exact(saved):
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("flip", r"rank-00001-of-00003\.safetensors: SHA-256 differs from the manifest's: the file is corrupt"),
+    ("flip", r"rank-00001-of-00003\.safetensors: bytes \d+\.\.\d+ of its data differ from their checksum .*: the "
+             r"file is corrupt"),
+    ("flip header", r"rank-00001-of-00003\.safetensors: its header differs from the manifest's checksum of it: the "
+                    r"file is corrupt"),
     ("truncate", r"rank-00001-of-00003\.safetensors: \d+ bytes, the manifest says \d+: the file is truncated"),
     ("delete", r"rank-00001-of-00003\.safetensors: shard file of rank 1 is missing"),
 ])
@@ -79,8 +82,8 @@ def test_damaged_shard_is_named_and_nothing_changes(saved, damage, message):
     path, _, _ = saved
     shard = path / "rank-00001-of-00003.safetensors"
     data = bytearray(shard.read_bytes())
-    if damage == "flip":
-        data[-3] ^= 0xFF
+    if damage.startswith("flip"):
+        data[-3 if damage == "flip" else 20] ^= 0x01
         shard.write_bytes(bytes(data))
     elif damage == "truncate":
         shard.write_bytes(bytes(data[:len(data) // 2]))
@@ -104,7 +107,7 @@ def _edit_manifest(path, edit):
 def test_unsupported_format_version(saved):
     path, _, _ = saved
     _edit_manifest(path, lambda d: d.update(format_version=99))
-    with pytest.raises(CheckpointError, match=r"manifest\.json: format version 99 is not supported .* reads versions \[1, 2\]"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json: format version 99 is not supported .* reads versions \[1, 2, 3\]"):
         Checkpoint(path)
 
 

@@ -296,6 +296,8 @@ def _ranks_worker(kind, path, rank, port, out):
         reference = {k: v.clone() for k, v in run[0].module.state_dict().items()}
         run = build()
         resumed = [step(*run, s) for s in range(SAVE)]
+        ckpt.save(path, run[0], run[1], step=SAVE - 1, scheduler=run[2])
+        # Again over it: each rank removes its own file of the replaced checkpoint.
         ckpt.save(path, run[0], run[1], step=SAVE, scheduler=run[2])
         run = build(seed=99)
         ckpt.load(path, run[0], run[1], scheduler=run[2])
@@ -316,3 +318,4 @@ def test_two_ranks_resume_exactly(tmp_path, kind):
 
     reports, _ = forkserver_ranks(_ranks_worker, (kind, str(tmp_path / "ckpt")), 2, wait_s=120)
     assert {r: outcome for r, (outcome, _) in reports.items()} == {0: "equal", 1: "equal"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no leftovers of the replaced checkpoint
