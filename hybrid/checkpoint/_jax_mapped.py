@@ -6,7 +6,8 @@ params, and every part of the state laid out like them (Adam's ``mu`` / ``nu``, 
 ``trace``), become flat ``{torch name: array in torch's layout}`` dicts, whose key-path names are
 torch's names. ``hybrid.jax.zero``'s flat buckets are unpacked into whole tensors first (the
 transposes of a mapping do not keep a bucket's elements contiguous, so they cannot be resharded
-slice by slice). The plain save and load then run on the view, and :meth:`TorchView.back` turns
+slice by slice); a zero planned with ``pairing=`` holds torch's names and layouts already, and its
+fingerprint tells the two plans apart. The plain save and load then run on the view, and :meth:`TorchView.back` turns
 what the load gave into the caller's structure, layouts and placement. Nothing here imports the
 plain save/load: ``hybrid.checkpoint.jax`` calls in.
 """
