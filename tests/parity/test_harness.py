@@ -157,6 +157,12 @@ def tiny_torch():
     return Net(), lambda net, batch: ((net(batch["x"]) - batch["y"]) ** 2).mean()
 
 
+def tiny_torch_unreduced_loss():
+    """A mistake a user makes: the loss per row, not its mean."""
+    net, _ = tiny_torch()
+    return net, lambda net, batch: (net(batch["x"]) - batch["y"]) ** 2
+
+
 def tiny_flax():
     import flax.linen as nn
     import jax
@@ -176,6 +182,13 @@ def tiny_data(step):
     rng = np.random.default_rng(step)
     x = rng.normal(size=(8, 3)).astype(np.float32)
     return {"x": x, "y": np.sin(x.sum(1, keepdims=True)).astype(np.float32)}
+
+
+def test_an_error_on_a_torch_rank_is_raised_here_with_its_traceback():
+    setup = hp.prepare(tiny_torch_unreduced_loss, tiny_flax, tiny_data, steps=2)
+    with pytest.raises(RuntimeError, match=r"(?s)rank \d of 2 failed:.*TypeError: the torch loss_fn must return "
+                                           r"a scalar tensor, got Tensor \(4, 1\)"):
+        hp.train_torch(setup, world_size=2, timeout_s=120)
 
 
 def _cli(*args, cwd=ROOT):
