@@ -1,4 +1,4 @@
-"""``python -m hybrid plan | demo | bench NAME``."""
+"""``python -m hybrid plan | demo | parity | bench NAME``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def _main(argv: list[str] | None) -> int:
     _plan_cli.add_parser(sub)
     from hybrid import _demo_cli as demo_cli
     demo_cli.add_parser(sub)
+    from hybrid import _parity_cli as parity_cli
+    parity_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS))
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -45,4 +47,6 @@ def _main(argv: list[str] | None) -> int:
         return module.main(args.args)
     if args.command == "demo":
         return demo_cli.run(args)
+    if args.command == "parity":
+        return parity_cli.run(args)
     return _plan_cli.run(args)

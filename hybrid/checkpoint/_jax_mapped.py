@@ -6,7 +6,8 @@ params, and every part of the state laid out like them (Adam's ``mu`` / ``nu``, 
 ``trace``), become flat ``{torch name: array in torch's layout}`` dicts, whose key-path names are
 torch's names. ``hybrid.jax.zero``'s flat buckets are unpacked into whole tensors first (the
 transposes of a mapping do not keep a bucket's elements contiguous, so they cannot be resharded
-slice by slice). The plain save and load then run on the view, and :meth:`TorchView.back` turns
+slice by slice); a zero planned with ``pairing=`` holds torch's names and layouts already, and its
+fingerprint tells the two plans apart. The plain save and load then run on the view, and :meth:`TorchView.back` turns
 what the load gave into the caller's structure, layouts and placement. Nothing here imports the
 plain save/load: ``hybrid.checkpoint.jax`` calls in.
 """
@@ -52,42 +53,40 @@ class TorchView:
     world_size: int | None
     _treedef: object
     _shapes: tuple[tuple[int, ...], ...]
-    _layout: _Layout
-    _zero_sizes: tuple[int, ...]  # device count of each ZeroState, in the state's order
+    _zeros: tuple[tuple[_Layout, int], ...]  # each ZeroState's layout and device count, in the state's order
 
     @classmethod
-    def of(cls, mapping, params, opt_state, *, order, caps: dict, path: str | os.PathLike | None = None,
-           host: bool) -> "TorchView":
+    def of(cls, mapping, params, opt_state, *, order, caps: dict, ready_order=None,
+           path: str | os.PathLike | None = None, host: bool) -> "TorchView":
         """The view of ``params`` / ``opt_state``; on a load (``path`` given) paired with the
         checkpoint's tensors; ``host=True`` (a save) reads every array to the host."""
         names, leaves, treedef = _leaves(params)
         shapes = [tuple(x.shape) for x in leaves]
         torch_specs = Checkpoint(path).manifest.plan.specs if path is not None else None
         pairing = _pairing(mapping, names, shapes, torch_specs)
-        layout = _Layout.of(params, what="checkpoint", order=order, **caps)
 
         def torch_named(named: dict) -> dict:
             return pairing.to_torch({n: np.asarray(v) if host else v for n, v in named.items()})
 
-        zero_sizes = []
+        zeros = []
 
         def view(node):
             if isinstance(node, ZeroState):
                 n = _devices(node)
-                zero_sizes.append(n)
+                layout = _zero_layout(node, n, params, pairing, order=order, ready_order=ready_order, caps=caps)
+                zeros.append((layout, n))
                 shards = shard_flat(layout.plan, n)
-                if shards.fingerprint() != node.plan_fingerprint:
-                    raise CheckpointError("the ZeroState was planned with other bucket caps or leaf order than "
-                                          "given here: pass the order= and bucket caps you gave hybrid.jax.zero")
+                # A zero planned with the pairing holds torch's names and layouts already.
+                named = (lambda d: d) if layout.layouts is not None else torch_named
                 return _map(node.inner, lambda x: _is_buckets(x, shards),
-                            lambda flats: torch_named(_whole(layout, flats) if host else _zeros(layout, flats)))
+                            lambda flats: named(_whole(layout, flats) if host else _zeros(layout, flats)))
             return torch_named(dict(zip(names, jax.tree_util.tree_leaves(node))))
 
         is_node = lambda x: isinstance(x, ZeroState) or _like_params(x, treedef, shapes)
         state = None if opt_state is None else _map(opt_state, is_node, view)
-        world = zero_sizes[0] if zero_sizes else None
+        world = zeros[0][1] if zeros else None
         return cls(pairing, torch_named(dict(zip(names, leaves))), state, pairing.torch_names, world, treedef,
-                   tuple(shapes), layout, tuple(zero_sizes))
+                   tuple(shapes), tuple(zeros))
 
     def back(self, params_like, state_like, loaded_params: dict, loaded_state):
         """What the plain load gave for this view, in the structure, layouts and placement of
@@ -103,12 +102,13 @@ class TorchView:
             return params, None
         names_set = set(self.pairing.torch_names)
         is_view = lambda x: isinstance(x, dict) and set(x) == names_set
-        sizes = iter(self._zero_sizes)
+        zeros = iter(self._zeros)
 
         def rebuild(old, loaded):
             if isinstance(old, ZeroState):
-                shards = shard_flat(self._layout.plan, next(sizes))
-                inner = _map(loaded, is_view, lambda d: _buckets(self._layout, shards, tree(d)))
+                layout, n = next(zeros)
+                shards = shard_flat(layout.plan, n)
+                inner = _map(loaded, is_view, lambda d: _buckets(layout, shards, tree(d)))
                 placed = jax.tree_util.tree_map(lambda new, o: jax.device_put(new, o.sharding), inner, old.inner)
                 return ZeroState(placed, old.plan_fingerprint)
             return tree(loaded)
@@ -118,6 +118,19 @@ class TorchView:
         loaded_nodes = treedef.flatten_up_to(loaded_state)
         return params, jax.tree_util.tree_unflatten(treedef, [rebuild(o, l) if is_node(o) else l
                                                               for o, l in zip(nodes, loaded_nodes)])
+
+
+def _zero_layout(zero: ZeroState, n: int, params, pairing: ParamPairing, *, order, ready_order, caps) -> _Layout:
+    """The layout ``hybrid.jax.zero`` packed ``zero`` by, over ``n`` devices: planned over the tree's
+    own names and layouts, or (``zero(..., pairing=)``) over torch's; its fingerprint tells which."""
+    plain = _Layout.of(params, what="checkpoint", order=order, ready_order=ready_order, **caps)
+    candidates = [plain] if order is not None else [
+        plain, _Layout.of(params, what="checkpoint", order=None, ready_order=ready_order, pairing=pairing, **caps)]
+    for layout in candidates:
+        if shard_flat(layout.plan, n).fingerprint() == zero.plan_fingerprint:
+            return layout
+    raise CheckpointError("the ZeroState was planned with other bucket caps, leaf order or ready order than given "
+                          "here: pass the order=, ready_order= and bucket caps you gave hybrid.jax.zero")
 
 
 def _like_params(x, treedef, shapes: list) -> bool:

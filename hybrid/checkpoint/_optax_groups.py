@@ -105,13 +105,33 @@ def optax_from_manifest(checkpoint, params) -> optax.GradientTransformation:
     if info.name not in ("adam", "adamw", "sgd") or not groups:
         raise CheckpointError(f"{where}: needs the param_groups of a torch Adam, AdamW or SGD; the checkpoint "
                               f"holds {info.name!r} with hyperparameters {sorted(info.hyperparameters)}")
+    return optax_from_param_groups(info.name, groups, params, where=where)
+
+
+def optax_from_param_groups(name: str, groups: list[dict], params, *, where: str = "optax_from_param_groups"
+                            ) -> optax.GradientTransformation:
+    """The optax transform computing what torch's ``name`` optimizer (``"adam"``, ``"adamw"``,
+    ``"sgd"``) computes with these param groups (torch's keys: ``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ``momentum``, ``nesterov``, ``param_names``); :func:`optax_from_manifest`
+    without the checkpoint. A :class:`CheckpointError` names what optax cannot reproduce.
+
+    >>> import jax.numpy as jnp
+    >>> params = {"w": jnp.ones(2)}
+    >>> tx = optax_from_param_groups("sgd", [{"lr": 0.5, "momentum": 0.9}], params)
+    >>> u, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+    >>> u["w"].tolist()
+    [-0.5, -0.5]
+    """
+    if name not in ("adam", "adamw", "sgd") or not groups:
+        raise CheckpointError(f"{where}: needs the param groups of a torch Adam, AdamW or SGD, got {name!r} "
+                              f"with {len(groups)} group(s)")
     for i, g in enumerate(groups):
         for key in ("amsgrad", "maximize"):
             if g.get(key):
                 raise CheckpointError(f"{where}: param group {i} has {key}=True, which optax's adam/sgd do not reproduce")
         if g.get("dampening"):
             raise CheckpointError(f"{where}: param group {i} has dampening={g['dampening']}; optax's trace has none")
-    family = "sgd" if info.name == "sgd" else "adam"
+    family = "sgd" if name == "sgd" else "adam"
     shared = {k: v for k, v in _differing(groups).items() if k in _SHARED[family]}
     if shared:
         raise CheckpointError(f"{where}: the param groups differ in {shared}, which one optax {family} state "
@@ -140,7 +160,7 @@ def optax_from_manifest(checkpoint, params) -> optax.GradientTransformation:
         return optax.chain(per_group(decay, ["weight_decay"]), middle, per_group(step, ["lr"]))
     b1, b2 = (float(x) for x in first.get("betas", (0.9, 0.999)))
     adam = optax.scale_by_adam(b1, b2, float(first.get("eps", 1e-8)))
-    if first.get("decoupled_weight_decay", info.name == "adamw"):
+    if first.get("decoupled_weight_decay", name == "adamw"):
         return optax.chain(adam, per_group(lambda g: optax.chain(decay(g), step(g)), ["weight_decay", "lr"]))
     return optax.chain(per_group(decay, ["weight_decay"]), adam, per_group(step, ["lr"]))
 

@@ -77,21 +77,21 @@ def _world_of(array) -> int:
     return len(sharding.device_set)
 
 
-def _layout(params, order, caps) -> _Layout:
-    return _Layout.of(params, what="checkpoint", order=order, **caps)
+def _layout(params, order, caps, ready_order=None) -> _Layout:
+    return _Layout.of(params, what="checkpoint", order=order, ready_order=ready_order, **caps)
 
 
 def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
     if shard_flat(layout.plan, world_size).fingerprint() != zero.plan_fingerprint:
         raise CheckpointError("the ZeroState was planned with other bucket caps or leaf order than given here: "
-                              "pass the order= and bucket caps you gave hybrid.jax.zero")
+                              "pass the order=, ready_order= and bucket caps you gave hybrid.jax.zero")
 
 
 def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=None, world_size: int | None = None,
          stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
          metadata: dict | None = None, buffers=None, state: dict | None = None, mapping=None,
-         timeout_s: float = 60.0) -> Manifest:
+         ready_order=None, timeout_s: float = 60.0) -> Manifest:
     """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
 
     With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
@@ -112,7 +112,8 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
       params: the parameter pytree (replicated global arrays or host arrays).
       opt_state: the optax state, or None for parameters alone.
       step: the training step to record.
-      order, bucket_cap_bytes, first_bucket_cap_bytes: what ``hybrid.jax.zero`` was given.
+      order, bucket_cap_bytes, first_bucket_cap_bytes, ready_order: what ``hybrid.jax.zero`` was
+        given (with ``mapping``, a zero state planned with ``pairing=`` is found by its fingerprint).
       world_size: files to write for an unsharded state (a zero state has its own).
       stage, optimizer, hyperparameters, metadata: recorded in the manifest (``optimizer``
         defaults to "adam" for a ScaleByAdamState, "sgd" for a TraceState).
@@ -140,11 +141,11 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     """
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
     if mapping is not None:
-        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, host=True)
+        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order, host=True)
         return save(path, view.params, view.state, step=step, order=view.order, world_size=world_size or view.world_size,
                     stage=stage, optimizer=optimizer, hyperparameters=hyperparameters, metadata=metadata,
                     buffers=buffers, state=state, timeout_s=timeout_s, **caps)
-    layout = _layout(params, order, caps)
+    layout = _layout(params, order, caps, ready_order)
     host_params = [to_storage(_host(p)) for p in layout.spec_arrays(params)]
     extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
                   run_state={"state": check_json(dict(state), "state")} if state is not None else {})
@@ -232,7 +233,7 @@ def _from_slices(old, n: int, slices: dict[int, np.ndarray]):
 
 def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-         mapping=None):
+         mapping=None, ready_order=None):
     """Load a checkpoint (from either frontend, any world size) into the layout of ``params`` and
     ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
 
@@ -246,6 +247,8 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     With ``mapping`` (a ``hybrid.core.ParamMapping`` or ``ParamPairing``) the checkpoint holds
     torch's names and layouts (a torch save, or a JAX save with the same mapping): each tensor is
     placed through the mapping, and one the mapping cannot place is a ``MappingError`` naming it.
+    ``order``, ``ready_order`` and the caps are what ``hybrid.jax.zero`` was given (with
+    ``mapping``, a zero state planned with ``pairing=`` is found by its fingerprint).
 
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.arange(6.0).reshape(2, 3)}
@@ -256,10 +259,11 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     """
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
     if mapping is not None:
-        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, path=path, host=False)
+        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order, path=path,
+                            host=False)
         loaded_params, loaded_state, step = load(path, view.params, view.state, order=view.order, **caps)
         return (*view.back(params, opt_state, loaded_params, loaded_state), step)
-    layout = _layout(params, order, caps)
+    layout = _layout(params, order, caps, ready_order)
     ckpt = Checkpoint(path)
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()

@@ -20,7 +20,7 @@ import hybrid.jax as hj
 from hybrid.checkpoint import jax as ckpt_jax
 from hybrid.checkpoint import torch as ckpt_torch
 from hybrid.core import MappingError, unpack
-from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig, TorchGPT
+from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig, TorchGPT, flax_loss
 from hybrid.parity import named_jax, pair_models
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -136,6 +136,54 @@ def test_a_zero_state_crosses_through_the_mapping(tmp_path):
                                 **caps)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(zero)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_zero_state_planned_as_torchs_ddp_crosses_at_other_device_counts(tmp_path):
+    """``zero(..., ready_order=, pairing=)`` (torch's rebuilt plan at torch's default caps, its
+    buckets over torch's names and layouts): loaded from torch's checkpoint on 3 devices, saved from
+    there, loaded on 2 devices and by torch; every crossing bit for bit."""
+    model, opt = _torch_run()
+    ckpt_torch.save(tmp_path / "t", model, opt, step=2, world_size=2)
+    params = _flax_zeros()
+    pairing = pair_models(model, params, GPT_MAPPING)
+    idx = jnp.zeros((2, 8), jnp.int32)
+    ready = hj.gradient_ready_order(lambda p: flax_loss(FlaxGPT(CONFIG), p, idx, idx), params)
+
+    def zero_state(n):
+        tx = hj.zero(optax.adam(1e-2), "dp", ready_order=ready, pairing=pairing)
+        mesh = Mesh(np.array(jax.devices()[:n]), ("dp",))
+        specs = hj.state_specs(tx, params, "dp", axis_size=n)
+        return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+    # torch's plan differs from the one the tree's own names give: the load must find zero's
+    layout = hj._specs._Layout.of(params, what="test", order=None, bucket_cap_bytes=25 << 20,
+                                  first_bucket_cap_bytes=1 << 20, ready_order=ready, pairing=pairing)
+    plain = hj._specs._Layout.of(params, what="test", order=None, bucket_cap_bytes=25 << 20,
+                                 first_bucket_cap_bytes=1 << 20, ready_order=ready)
+    assert layout.plan.fingerprint() != plain.plan.fingerprint()
+    def assert_holds_torchs_moments(zero):
+        # zero's buckets hold torch's tensors in torch's layouts: unpacked, they are torch's as they are
+        adam = zero.inner[0]
+        assert int(adam.count) == 2
+        for slot, key in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+            whole = {layout.plan.specs[i].name: a for b, flat in enumerate(getattr(adam, slot))
+                     for i, a in unpack(layout.plan, b, np.asarray(flat)).items()}
+            expected = _torch_moments(model, opt, key)
+            assert all(np.array_equal(whole[n], expected[n]) for n in expected), slot
+
+    loaded, zero3, step = ckpt_jax.load(tmp_path / "t", params, zero_state(3), mapping=pairing, ready_order=ready)
+    assert step == 2
+    assert_holds_torchs_moments(zero3)
+    ckpt_jax.save(tmp_path / "z", loaded, zero3, step=2, stage=1, mapping=pairing, ready_order=ready)
+    _, zero2, _ = ckpt_jax.load(tmp_path / "z", params, zero_state(2), mapping=pairing, ready_order=ready)
+    assert len({d.id for d in zero2.inner[0].mu[0].sharding.device_set}) == 2
+    assert_holds_torchs_moments(zero2)
+    fresh = TorchGPT(CONFIG)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    assert ckpt_torch.load(tmp_path / "z", fresh, fresh_opt) == 2
+    for key in ("exp_avg", "exp_avg_sq"):
+        mine, theirs = _torch_moments(model, opt, key), _torch_moments(fresh, fresh_opt, key)
+        assert all(np.array_equal(mine[n], theirs[n]) for n in mine), key
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_tensors(tmp_path):

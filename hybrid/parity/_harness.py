@@ -1,0 +1,179 @@
+"""A parity run of a user's own torch/JAX model pair: the same weights, batches and optimizer
+through both of hybrid's frontends, compared step by step; and hand-overs between them through a
+checkpoint. See docs/parity.md.
+
+A run is :func:`prepare` (the factories called, the pairing resolved, torch's initial weights
+crossed to JAX, the batches drawn) -> :func:`train_torch` and :func:`train_jax` ->
+:func:`hybrid.parity.compare`. :func:`run` and :func:`handover` do all of it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hybrid.core import ParamMapping, ParamPairing
+from hybrid.parity._bridge import jax_tree, named_torch, pair_models
+from hybrid.parity._report import ParityReport, SideRun, Tolerance, compare
+from hybrid.parity._spec import OptimizerSpec, check_split, count, global_batches, pair_of, portable
+
+STAGES = (0, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParitySetup:
+    """Everything both sides start from: the torch factory (as it travels to spawned ranks), the
+    JAX params (torch's initial weights, through the pairing) and loss, the pairing, torch's
+    initial weights by name, the global batches (numpy) and the optimizer."""
+
+    torch_factory: object
+    jax_params: object
+    jax_loss: Callable
+    pairing: ParamPairing
+    init: dict
+    batches: tuple
+    optimizer: OptimizerSpec
+
+
+def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec = OptimizerSpec(),
+            mapping: ParamMapping | ParamPairing | None = None, seed: int = 0) -> ParitySetup:
+    """Call both factories (torch's under ``torch.manual_seed(seed)``), pair the models through
+    ``mapping`` (default ``ParamMapping.flax()``; ties found in the torch module) and cross torch's
+    initial weights to the JAX tree; draw ``steps`` global batches from ``data``.
+
+    Args:
+      torch_pair: ``() -> (torch.nn.Module, loss_fn(module, batch) -> scalar tensor)``, or its
+        ``"pkg.module:name"``. ``module`` in the loss is the DDP-wrapped model; ``batch`` the
+        rank's rows, as torch tensors in the structure ``data`` gives.
+      jax_pair: ``() -> (params, loss_fn(params, batch) -> scalar)``, or its reference; ``params``
+        gives the tree's structure, names and shapes (its values are replaced by torch's).
+      data: ``data(step) -> batch`` or an iterable of batches: numpy arrays (or dicts, lists,
+        tuples of them) whose leading axis is the global batch. Each loss must be a mean over
+        the rows it is given, so that DDP's average is the global batch's loss.
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> setup = prepare(lambda: (torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 2)}), lambda m, x: m["fc"](x).mean()),
+    ...                 lambda: ({"fc": {"kernel": jnp.zeros((3, 2)), "bias": jnp.zeros(2)}},
+    ...                          lambda p, x: (x @ p["fc"]["kernel"] + p["fc"]["bias"]).mean()),
+    ...                 lambda step: np.full((4, 3), step, np.float32), steps=2)
+    >>> [(p.torch, p.jax, str(p.layout)) for p in setup.pairing.pairs], len(setup.batches)
+    ([('fc.weight', 'fc.kernel', 'transpose(1, 0)'), ('fc.bias', 'fc.bias', 'as is')], 2)
+    >>> bool((np.asarray(setup.jax_params["fc"]["kernel"]) == setup.init["fc.weight"].T).all())  # torch's init
+    True
+    """
+    steps = count("steps", steps)
+    if not isinstance(optimizer, OptimizerSpec):
+        raise TypeError(f"optimizer must be a hybrid.parity.OptimizerSpec, got {type(optimizer).__name__}")
+    torch.manual_seed(count("seed", seed, least=0))
+    module, _ = pair_of(torch_pair, "torch")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"the torch factory must return (torch.nn.Module, loss_fn), got {type(module).__name__}")
+    like, jax_loss = pair_of(jax_pair, "jax")
+    if isinstance(mapping, ParamPairing):
+        pairing = mapping
+    else:
+        pairing = pair_models(module, like, mapping)
+    init = named_torch(module)
+    return ParitySetup(portable(torch_pair), jax_tree(like, pairing.to_jax(init)), jax_loss, pairing, init,
+                       global_batches(data, steps), optimizer)
+
+
+def _check_stage(stage) -> int:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0 (DDP alone), 1 (ZeRO-1) or 2 (ZeRO-2), got {stage!r}")
+    return stage
+
+
+def _check_save(setup: ParitySetup, save_at, save_to) -> None:
+    if (save_at is None) != (save_to is None):
+        raise ValueError("give save_at and save_to together")
+    if save_at is not None and not 0 < count("save_at", save_at) <= len(setup.batches):
+        raise ValueError(f"save_at must be in 1..{len(setup.batches)} (the steps), got {save_at!r}")
+
+
+def train_torch(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
+                save_to=None, timeout_s: float = 300, progress=None) -> SideRun:
+    """The torch side: ``hybrid.torch.DistributedDataParallel`` at torch's default caps (+
+    ``ZeroRedundancyOptimizer`` for stage 1, ``ZeRO2`` for stage 2) on ``world_size`` spawned gloo
+    ranks, rank ``r`` on rows ``[r B / W, (r + 1) B / W)``. ``resume`` / ``save_at`` + ``save_to``:
+    checkpoints of :mod:`hybrid.checkpoint.torch`. A rank that fails or hangs raises here (with its
+    traceback) within ``timeout_s``."""
+    from hybrid.parity._run_torch import train_torch_world
+
+    world_size = count("world_size", world_size)
+    check_split(setup.batches, world_size, f"the torch side's {world_size} ranks")
+    _check_save(setup, save_at, save_to)
+    job = dict(factory=setup.torch_factory, init=setup.init, optimizer=setup.optimizer, stage=_check_stage(stage),
+               batches=setup.batches, resume=None if resume is None else str(resume), save_at=save_at,
+               save_to=None if save_to is None else str(save_to))
+    return train_torch_world(job, world_size=world_size, timeout_s=timeout_s, progress=progress)
+
+
+def train_jax(setup: ParitySetup, *, num_devices: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
+              save_to=None, progress=None) -> SideRun:
+    """The JAX side: ``hybrid.jax.zero`` at ``stage`` (stage 0: ``bucketed_all_reduce`` then the
+    optimizer) under ``shard_map`` on this process's first ``num_devices`` devices, planned from
+    the JAX backward's ready order through the pairing (torch's plan). ``resume`` / ``save_at`` +
+    ``save_to``: checkpoints of :mod:`hybrid.checkpoint.jax` under torch's names and layouts."""
+    from hybrid.parity._run_jax import train_jax as run
+
+    num_devices = count("num_devices", num_devices)
+    check_split(setup.batches, num_devices, f"the JAX side's {num_devices} devices")
+    _check_save(setup, save_at, save_to)
+    return run(setup, num_devices=num_devices, stage=_check_stage(stage), resume=resume, save_at=save_at,
+               save_to=save_to, progress=progress)
+
+
+def run(torch_pair, jax_pair, data, *, steps: int = 10, optimizer: OptimizerSpec = OptimizerSpec(),
+        world_size: int = 2, num_devices: int = 2, stage: int = 1, mapping=None, seed: int = 0,
+        tolerance: Tolerance = Tolerance(), timeout_s: float = 300) -> ParityReport:
+    """Train the pair with both frontends from the same weights on the same global batches and
+    compare them (torch is the reference): per-step losses, final parameters per tensor, plans.
+
+    The torch ranks run while JAX trains in this process. Arguments as :func:`prepare`,
+    :func:`train_torch` and :func:`train_jax`; ``tolerance`` decides the report's verdicts.
+    See docs/parity.md for a whole example.
+    """
+    setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        torch_side = pool.submit(train_torch, setup, world_size=world_size, stage=stage, timeout_s=timeout_s)
+        jax_side = train_jax(setup, num_devices=num_devices, stage=stage)
+        return compare(torch_side.result(), jax_side, tolerance=tolerance)
+
+
+def handover(torch_pair, jax_pair, data, *, at: int, to: str = "jax", steps: int = 10,
+             optimizer: OptimizerSpec = OptimizerSpec(), world_size: int = 2, num_devices: int = 3,
+             stage: int = 1, mapping=None, seed: int = 0, tolerance: Tolerance = Tolerance(), path=None,
+             timeout_s: float = 300) -> ParityReport:
+    """One framework trains ``steps`` steps, saving a checkpoint after step ``at``; the other
+    (``to``: ``"jax"`` or ``"torch"``) resumes from it through the mapping and trains on. The report
+    compares the resumed steps and final parameters against the uninterrupted run (the reference).
+
+    The optimizer state crosses too (Adam's moments, momentum), so the optimizer must keep some:
+    adam, adamw, or sgd with momentum. ``path``: where the checkpoint goes (default a temporary
+    folder, removed afterwards).
+    """
+    if to not in ("jax", "torch"):
+        raise ValueError(f"to must be 'jax' or 'torch', got {to!r}")
+    if not 0 < count("at", at) < count("steps", steps):
+        raise ValueError(f"at must be in 1..{steps - 1}, a step before the last, got {at!r}")
+    if not optimizer.stateful:
+        raise ValueError("sgd without momentum keeps no optimizer state to hand over: give momentum, or use adam")
+    setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="hybrid-parity-") as tmp:
+        where = Path(path) if path is not None else Path(tmp) / "checkpoint"
+        torch_kw = dict(world_size=world_size, stage=stage, timeout_s=timeout_s)
+        jax_kw = dict(num_devices=num_devices, stage=stage)
+        if to == "jax":
+            reference = train_torch(setup, save_at=at, save_to=where, **torch_kw)
+            resumed = train_jax(setup, resume=where, **jax_kw)
+        else:
+            reference = train_jax(setup, save_at=at, save_to=where, **jax_kw)
+            resumed = train_torch(setup, resume=where, **torch_kw)
+    resumed = dataclasses.replace(resumed, label=f"{resumed.label}, resumed at step {at}")
+    return compare(reference, resumed, tolerance=tolerance)
