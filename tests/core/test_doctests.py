@@ -9,7 +9,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = ["hybrid.core._arrays", "hybrid.core._assign", "hybrid.core._buckets", "hybrid.core._dtypes", "hybrid.core._graph_split", "hybrid.core._reducer_state",
            "hybrid.core._memory", "hybrid.core._reshard", "hybrid.core._shard", "hybrid.core._spec", "hybrid._table",
-           "hybrid.bench._stats", "hybrid.core._cost", "hybrid.core._step_cost"]
+           "hybrid.bench._stats", "hybrid.core._cost", "hybrid.core._step_cost", "hybrid.core._zero3"]
 
 
 @pytest.mark.parametrize("name", MODULES)
