@@ -1,6 +1,10 @@
 """Sharded checkpoints from and into JAX: params and the optax state of ``hybrid.jax.zero`` (the
 padded flat buckets, sharded over the mesh) or of a plain, unsharded optax transform.
 
+ZeRO stage 3 needs no format of its own: its :class:`hybrid.jax.ParamShards` are the parameters
+cut exactly as the files store them, and its state is the stage-2 state of the same plan. Pass
+the shards where the params tree goes; the plan travels with them (no ``order`` or caps needed).
+
 The optimizer state is found by type: ``optax.ScaleByAdamState`` (slots ``mu``, ``nu`` and its
 ``count``; adam, adamw, ...) and ``optax.TraceState`` (slot ``trace``: sgd with momentum), inside
 a :class:`hybrid.jax.ZeroState` or not. Any ``optax.ScaleByScheduleState`` count is restored too.
@@ -17,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
-from hybrid.jax import ZeroState
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat, unpack
+from hybrid.jax import ParamShards, ZeroState
 from hybrid.jax._specs import _Layout, _leaves
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
@@ -71,7 +75,20 @@ def _world_of(array) -> int:
 
 
 def _layout(params, order, caps) -> _Layout:
+    if isinstance(params, ParamShards):
+        return params.layout.layout
     return _Layout.of(params, what="checkpoint", order=order, **caps)
+
+
+def _host_params(params, layout: _Layout) -> list[np.ndarray]:
+    """Every parameter whole, on the host, in the plan's spec order (stage 3: unpacked from the
+    global padded buckets of its shards)."""
+    if not isinstance(params, ParamShards):
+        return [_host(p) for p in layout.spec_arrays(params)]
+    per_spec = {}
+    for b, flat in enumerate(params.buckets):
+        per_spec.update(unpack(layout.plan, b, _host(flat)))
+    return [per_spec[i] for i in range(len(layout.plan.specs))]
 
 
 def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
@@ -93,7 +110,8 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
 
     Args:
       path: the checkpoint directory; an existing one is replaced only once the save is complete.
-      params: the parameter pytree (replicated global arrays or host arrays).
+      params: the parameter pytree (replicated global arrays or host arrays), or the global
+        :class:`hybrid.jax.ParamShards` of ZeRO stage 3.
       opt_state: the optax state, or None for parameters alone.
       step: the training step to record.
       order, bucket_cap_bytes, first_bucket_cap_bytes: what ``hybrid.jax.zero`` was given.
@@ -117,7 +135,7 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
     layout = _layout(params, order, caps)
     names = [s.name for s in layout.plan.specs]
-    host_params = [_host(p) for p in layout.spec_arrays(params)]
+    host_params = _host_params(params, layout)
     extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
                   run_state={"state": check_json(dict(state), "state")} if state is not None else {})
     if opt_state is None:
@@ -156,7 +174,7 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
 
     ``params`` and ``opt_state`` give the structure, shardings and (for a zero state) the world
-    size to load into: pass what ``init`` made. Every file is verified and every tensor matched by
+    size to load into: pass what ``init`` made (at stage 3, the global ``ParamShards``). Every file is verified and every tensor matched by
     name, shape and dtype before anything is built; a bad checkpoint raises
     :class:`~hybrid.checkpoint.CheckpointError` naming the file. With ``opt_state=None`` only the
     parameters are loaded.
@@ -173,10 +191,13 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     ckpt = Checkpoint(path)
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()
-    whole = ckpt.tensors("params")
-    old_leaves = layout.spec_arrays(params)
-    new_params = layout.unflatten({i: _like(whole[s.name], old)
-                                   for i, (s, old) in enumerate(zip(layout.plan.specs, old_leaves))})
+    if isinstance(params, ParamShards):
+        new_params = ParamShards(_flat_slices(ckpt, "params", params.layout.shards, params.buckets), params.layout)
+    else:
+        whole = ckpt.tensors("params")
+        old_leaves = layout.spec_arrays(params)
+        new_params = layout.unflatten({i: _like(whole[s.name], old)
+                                       for i, (s, old) in enumerate(zip(layout.plan.specs, old_leaves))})
     if opt_state is None:
         return new_params, None, ckpt.manifest.step
     return new_params, _load_state(ckpt, layout, opt_state), ckpt.manifest.step
@@ -218,6 +239,14 @@ def _refuse_per_parameter_state(ckpt: Checkpoint, info: OptimizerInfo) -> None:
             f"every parameter has stepped alike")
 
 
+def _flat_slices(ckpt: Checkpoint, kind: str, shards, old: tuple) -> tuple:
+    """Every device's slices of ``kind`` for the flat plan ``shards``: each bucket's global padded
+    array, placed as ``old[b]`` is (resharded from the saved world size)."""
+    plan = ckpt.reshard_to(shards)
+    per_rank = [ckpt.slices(kind, plan, r) for r in range(shards.world_size)]
+    return tuple(_like(np.concatenate([per_rank[r][b] for r in range(shards.world_size)]), o) for b, o in enumerate(old))
+
+
 def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
     info = ckpt.manifest.optimizer
     if info is None:
@@ -238,11 +267,8 @@ def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
     else:
         n = _world_of(getattr(node, slots[0])[0])
         _check_zero(zero, layout, n)
-        plan = ckpt.reshard_to(shard_flat(layout.plan, n))
         for s in slots:
-            per_rank = [ckpt.slices(s, plan, r) for r in range(n)]
-            values[s] = tuple(_like(np.concatenate([per_rank[r][b] for r in range(n)]), old)
-                              for b, old in enumerate(getattr(node, s)))
+            values[s] = _flat_slices(ckpt, s, shard_flat(layout.plan, n), getattr(node, s))
 
     def replace(x):
         if x is node:
