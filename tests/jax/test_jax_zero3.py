@@ -156,7 +156,8 @@ def _lowered_counts(reshard_after_forward):
     lowered = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp"), P("dp")),
                                     out_specs=(P("dp"), specs))).lower(shards, state, *make_batch(0))
     text = lowered.as_text()
-    counts = {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    counts = {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("all_reduce", "reduce_scatter", "all_gather",
+                                                                        "pad")}
     compiled = len(re.findall(r"\ball-gather(-start)?\(", lowered.compile().as_text()))
     return counts, sum(1 for b in shards.buckets if b.shape[0]), compiled
 
@@ -171,8 +172,10 @@ def test_collectives_per_bucket(reshard_after_forward):
     # for scale ** 2 JAX computes the derivative 2 * scale in the forward and keeps that.
     counts, nonempty, compiled = _lowered_counts(reshard_after_forward)
     assert nonempty == 3  # two float32 buckets and the bf16 one
+    # The backward packs each bucket's gradient with one concatenate (the transpose of
+    # gather_params' split), never a bucket-sized pad per member (the transpose of slices).
     assert counts == {"all_reduce": 0, "reduce_scatter": nonempty,
-                      "all_gather": nonempty + (1 if reshard_after_forward else 0)}
+                      "all_gather": nonempty + (1 if reshard_after_forward else 0), "pad": 0}
     # XLA:CPU drops optimization barriers and merges the backward's gathers with the forward's
     # identical ones: on host devices the compiled step gathers once per bucket either way
     # (docs/jax.md says so; this pins it, so a change in XLA shows here).
