@@ -161,7 +161,8 @@ def gather_params(shards: ParamShards):
         full = shard if shard.shape[0] == 0 else jax.lax.all_gather(shard, lay.axis_name, axis=0, tiled=True)
         # One split, not a slice per member: its transpose is one concatenate of the cotangents,
         # where slices transpose to a bucket-sized pad per member, all added (python -m hybrid
-        # bench jax, 32 members per bucket: 4.5x stage 2's step time with slices, 1.2x with split).
+        # bench jax, 32 members per bucket: CPU time per step 5.5x stage 2's with slices, under 2x
+        # with the split; see docs/jax.md).
         pieces = bucket_pieces(plan, b, length=full.shape[0])
         for (m, _), part in zip(pieces, jax.lax.split(full, [n for _, n in pieces])):
             if m is not None:
