@@ -17,8 +17,8 @@ from pathlib import Path
 from hybrid import _project_cli
 from hybrid._examples import EXAMPLES
 from hybrid._table import format_table, human_bytes
-from hybrid.core import (MiB, OPTIMIZER_STATE_COPIES, TensorSpec, itemsize, partition_params, plan_buckets,
-                         shard_flat, zero_memory)
+from hybrid.core import (MiB, OPTIMIZER_STATE_COPIES, STAGES, TensorSpec, forward_order, itemsize, partition_params,
+                         plan_buckets, shard_flat, step_cost, zero3_memory, zero_memory)
 from hybrid.core._spec import check_specs, specs_from_json
 
 
@@ -33,9 +33,19 @@ What the words mean:
   imbalance           a rank's owned bytes against an even split (total / world size)
   flat shard          ZeRO-2: every bucket cut in world-size equal slices (padded); the same on every rank
   ZeRO-1/2 state      optimizer-state bytes a rank keeps; "total" adds parameters and gradients
+  ZeRO-3              parameters, gradients and optimizer state all as the rank's flat slices; "gathered":
+                      the full buckets held at once during a step, the bucket computing and --prefetch
+                      more (their all-gathers overlap its compute) and, in the backward, the full
+                      gradient being reduce-scattered; "kept" holds the forward's buckets for the
+                      backward instead of gathering them again (FSDP's reshard_after_forward=False)
+  forward order       the buckets in the order the forward first uses them (the plan's reverse)
+  sent per step       bytes each rank sends per step over ring collectives: DDP one all-reduce per bucket,
+                      ZeRO-1 (torch) all-reduce + broadcast of the shares, ZeRO-2 reduce-scatter +
+                      all-gather, ZeRO-3 an all-gather in the forward and in the backward + reduce-scatter
   paper formulas      bytes per rank by the ZeRO paper (Rajbhandari et al. 2020, sec. 5), with W the
                       parameter bytes (gradients as many), K optimizer-state bytes per parameter, P
-                      parameters, N ranks: DDP W + W + K P, ZeRO-1 W + W + K P / N, ZeRO-2 W + W / N + K P / N"""
+                      parameters, N ranks: DDP W + W + K P, ZeRO-1 W + W + K P / N, ZeRO-2 W + W / N + K P / N,
+                      ZeRO-3 (W + W + K P) / N (without the gathered working set)"""
 
 NEXT = """\
 Next: python -m hybrid demo trains one model with both frontends; examples/torch_train.py (launch with
@@ -56,6 +66,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="cap of the first bucket in MiB")
     p.add_argument("--world-size", type=int, default=4, help="number of data-parallel ranks for the ZeRO view")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_COPIES), default="adam")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="ZeRO-3: buckets gathered ahead of the one computing (default 1)")
     p.add_argument("--master-weights", action="store_true",
                    help="count fp32 master weights in optimizer state (mixed-precision training)")
     p.add_argument("--compile", action="store_true",
@@ -186,6 +198,8 @@ def build_report(label: str, specs, args) -> dict:
             raise SystemExit(f"hybrid plan: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.world_size < 1:
         raise SystemExit(f"hybrid plan: --world-size must be >= 1, got {args.world_size}")
+    if args.prefetch < 0:
+        raise SystemExit(f"hybrid plan: --prefetch must be >= 0, got {args.prefetch}")
     plan = plan_buckets(specs, bucket_cap_bytes=int(args.bucket_cap_mb * MiB),
                         first_bucket_cap_bytes=int(args.first_bucket_cap_mb * MiB))
     partition = partition_params(specs, args.world_size)
@@ -220,9 +234,27 @@ def build_report(label: str, specs, args) -> dict:
         "size_limits": list(plan.size_limits),
         "buckets": buckets, "world_size": args.world_size, "optimizer": args.optimizer,
         "state_bytes_per_param": k,
-        "formula_bytes_per_rank": {"ddp": memory.ddp, "zero1": memory.zero1, "zero2": memory.zero2},
-        "ranks": ranks,
+        "formula_bytes_per_rank": {"ddp": memory.ddp, "zero1": memory.zero1, "zero2": memory.zero2,
+                                   "zero3": memory.zero3},
+        "ranks": ranks, **zero3_report(plan, shards, k, args.prefetch),
     }
+
+
+def zero3_report(plan, shards, k: int, prefetch: int) -> dict:
+    """Stage 3's bytes per rank (every rank alike) and each stage's bytes sent per rank per step."""
+    def memory(reshard):
+        m = zero3_memory(shards, k, prefetch=prefetch, reshard_after_forward=reshard)
+        return {"param_bytes": m.param_bytes, "grad_bytes": m.grad_bytes, "state_bytes": m.state_bytes,
+                "gathered_bytes": m.gathered_bytes, "total_bytes": m.total}
+
+    def sent(stage, reshard=True):  # bytes only: the collectives' time does not matter here
+        return step_cost(plan, shards.world_size, stage, lambda kind, n: 0.0, forward_s=0.0, backward_s=0.0,
+                         reshard_after_forward=reshard, prefetch=prefetch).wire_bytes
+
+    volume = {stage if stage == "ddp" else f"zero{stage}": sent(stage) for stage in STAGES}
+    return {"prefetch": prefetch, "forward_order": list(forward_order(plan)),
+            "zero3_bytes_per_rank": memory(True), "zero3_kept_bytes_per_rank": memory(False),
+            "sent_bytes_per_rank_per_step": {**volume, "zero3_kept": sent(3, reshard=False)}}
 
 
 def print_report(report: dict) -> None:
@@ -241,11 +273,27 @@ def print_report(report: dict) -> None:
                          human_bytes(r["flat_shard_bytes"]), human_bytes(r["zero1_state_bytes"]),
                          human_bytes(r["zero1_total_bytes"]), human_bytes(r["zero2_state_bytes"]),
                          human_bytes(r["zero2_total_bytes"])] for r in report["ranks"]]))
+    z3, kept = report["zero3_bytes_per_rank"], report["zero3_kept_bytes_per_rank"]
+    print(f"\nZeRO-3 per rank (every rank alike), prefetch {report['prefetch']}; forward order of the buckets: "
+          f"{_order_text(report['forward_order'])}:")
+    print(format_table(["ZeRO-3", "param slices", "grad slices", "state", "gathered", "total"],
+                       [[name, *(human_bytes(m[key]) for key in ("param_bytes", "grad_bytes", "state_bytes",
+                                                                  "gathered_bytes", "total_bytes"))]
+                        for name, m in (("regathered in the backward", z3), ("kept for the backward", kept))]))
+    sent = report["sent_bytes_per_rank_per_step"]
+    print(f"\nSent per rank per step (ring collectives), and against DDP:")
+    names = {"ddp": "DDP", "zero1": "ZeRO-1 (torch)", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_kept": "ZeRO-3 kept"}
+    print(format_table(list(names.values()), [[human_bytes(sent[k]) for k in names],
+                                              [f"{sent[k] / sent['ddp']:.2f}x" if sent["ddp"] else "-" for k in names]]))
     print(f"\nPaper formulas per rank: DDP {human_bytes(f['ddp'])}, ZeRO-1 {human_bytes(f['zero1'])}, "
-          f"ZeRO-2 {human_bytes(f['zero2'])}")
+          f"ZeRO-2 {human_bytes(f['zero2'])}, ZeRO-3 {human_bytes(f['zero3'])}")
     if "compile" in report:
         print_compile(report["compile"])
     print(f"\n{LEGEND}\n\n{NEXT}")
+
+
+def _order_text(order: list[int]) -> str:
+    return " ".join(map(str, order)) if len(order) <= 12 else f"{' '.join(map(str, order[:12]))} ... ({len(order)})"
 
 
 def _caps_used(report: dict) -> str:

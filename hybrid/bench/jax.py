@@ -12,7 +12,8 @@ the end the ratio table of both (``hybrid.bench._stats``):
    with persistent buckets (the default) and with buckets concatenated afresh every step.
    ``--breakdown`` adds a step without any reduction (the compute floor) and one that packs and
    unpacks the buckets without reducing them (what the copies alone cost).
-2. ZeRO stage 1 and 2 against unsharded adam on a 4.2M-parameter MLP, and their state bytes.
+2. ZeRO stages 1, 2 and 3 against unsharded adam on a 4.2M-parameter MLP, and the bytes a
+   device holds between steps (stage 3: its parameter slices too, gathered inside the loss).
 
 The optimized HLO of the SGD steps is summarised too (collectives after XLA's all-reduce
 combiner, concatenates, in-place updates): on host devices the per-leaf psums are merged into one
@@ -144,6 +145,30 @@ def _compile(variants: dict, params, x, mesh):
     return steps, states
 
 
+def _compile_zero3(tx, params, x, mesh):
+    """Stage 3's compiled step (``jax.grad`` of the gathered loss on ParamShards) and its first
+    (shards, state), as :func:`_compile` makes them for the other variants."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import hybrid.jax as hj
+    shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, "dp"), mesh=mesh, in_specs=P(),
+                                   out_specs=P("dp")))(params)
+    specs = hj.state_specs(tx, shards, "dp", axis_size=mesh.size)
+    loss_of_shards = hj.gathered(_loss)
+
+    def step(shards, state, x):
+        u, state = tx.update(jax.grad(loss_of_shards)(shards, x), state, shards)
+        return optax.apply_updates(shards, u), state
+
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))(shards)
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp")), out_specs=(P("dp"), specs)),
+                 donate_argnums=(0, 1))
+    compiled = fn.lower(shards, state, x).compile()
+    return compiled, jax.block_until_ready(compiled(shards, state, x))
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench jax")
     parser.add_argument("--quick", action="store_true", help="tiny models and few repetitions")
@@ -251,13 +276,15 @@ def main(argv: list[str]) -> int:
                 "zero1_adam": (hj.zero(adam(), "dp", stage=1), True),
                 "zero2_adam": (hj.zero(adam(), "dp", stage=2), True)}
     steps, states = _compile(variants, params, x, mesh)
-    order = ["unsharded_adam", "zero1_adam", "unsharded_adam'", "zero2_adam"]
+    steps["zero3_adam"], states["zero3_adam"] = _compile_zero3(hj.zero(adam(), "dp", stage=3), params, x, mesh)
+    order = ["unsharded_adam", "zero1_adam", "unsharded_adam'", "zero2_adam", "zero3_adam"]
     times, cpu = _run_interleaved(steps, states, x, args.zero_reps, args.zero_steps, order)
     print(f"[2] ZeRO: MLP {args.zero_depth} x {args.zero_width}^2, {num_params} float32 params, global batch "
           f"{args.zero_batch}, {args.zero_reps} reps x {args.zero_steps} steps interleaved, medians")
     _print_times(times, cpu)
     groups["[2] zero"] = ([Ratio(f"zero{stage}_adam", "unsharded_adam", times[f"zero{stage}_adam"],
-                                 times["unsharded_adam"]) for stage in (1, 2)],
+                                 times["unsharded_adam"]) for stage in (1, 2, 3)]
+                          + [Ratio("zero3_adam", "zero2_adam", times["zero3_adam"], times["zero2_adam"])],
                           Ratio("unsharded_adam'", "unsharded_adam", times["unsharded_adam'"], times["unsharded_adam"]))
     dev = devices[0]
     full = _bytes_per_device(states["unsharded_adam"][1], dev)
@@ -265,5 +292,10 @@ def main(argv: list[str]) -> int:
         b = _bytes_per_device(states[name][1], dev)
         print(f"  optimizer state bytes/device {name}: {b} / unsharded {full} = {b / full:.4f} "
               f"(1/world_size = 0.25)")
+    # Held between steps: params and state (stage 3: both as slices; the others keep full params).
+    held = {name: _bytes_per_device(states[name], dev) for name in ("unsharded_adam", "zero2_adam", "zero3_adam")}
+    for name in ("zero2_adam", "zero3_adam"):
+        print(f"  params + state bytes/device {name}: {held[name]} / unsharded {held['unsharded_adam']} = "
+              f"{held[name] / held['unsharded_adam']:.4f}")
     print("\n" + ratio_table(groups))
     return 0

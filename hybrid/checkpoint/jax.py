@@ -1,6 +1,10 @@
 """Sharded checkpoints from and into JAX: params and the optax state of ``hybrid.jax.zero`` (the
 padded flat buckets, sharded over the mesh) or of a plain, unsharded optax transform.
 
+ZeRO stage 3 needs no format of its own: its :class:`hybrid.jax.ParamShards` are the parameters
+cut exactly as the files store them, and its state is the stage-2 state of the same plan. Pass
+the shards where the params tree goes; the plan travels with them (no ``order`` or caps needed).
+
 The optimizer state is found by type: ``optax.ScaleByAdamState`` (slots ``mu``, ``nu`` and its
 ``count``; adam, adamw, ...) and ``optax.TraceState`` (slot ``trace``: sgd with momentum), inside
 a :class:`hybrid.jax.ZeroState` or not. Any ``optax.ScaleByScheduleState`` count is restored too.
@@ -19,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
-from hybrid.jax import ZeroState
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat, unpack
+from hybrid.jax import ParamShards, ZeroState
 from hybrid.jax._specs import _Layout, _leaves
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._jax_mapped import TorchView
@@ -78,7 +82,20 @@ def _world_of(array) -> int:
 
 
 def _layout(params, order, caps, ready_order=None) -> _Layout:
+    if isinstance(params, ParamShards):
+        return params.layout.layout
     return _Layout.of(params, what="checkpoint", order=order, ready_order=ready_order, **caps)
+
+
+def _host_params(params, layout: _Layout) -> list[np.ndarray]:
+    """Every parameter whole, on the host, in the plan's spec order (stage 3: unpacked from the
+    global padded buckets of its shards)."""
+    if not isinstance(params, ParamShards):
+        return [_host(p) for p in layout.spec_arrays(params)]
+    per_spec = {}
+    for b, flat in enumerate(params.buckets):
+        per_spec.update(unpack(layout.plan, b, _host(flat)))
+    return [per_spec[i] for i in range(len(layout.plan.specs))]
 
 
 def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
@@ -109,7 +126,8 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
 
     Args:
       path: the checkpoint directory; an existing one is replaced only once the save is complete.
-      params: the parameter pytree (replicated global arrays or host arrays).
+      params: the parameter pytree (replicated global arrays or host arrays), or the global
+        :class:`hybrid.jax.ParamShards` of ZeRO stage 3.
       opt_state: the optax state, or None for parameters alone.
       step: the training step to record.
       order, bucket_cap_bytes, first_bucket_cap_bytes, ready_order: what ``hybrid.jax.zero`` was
@@ -146,7 +164,7 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
                     stage=stage, optimizer=optimizer, hyperparameters=hyperparameters, metadata=metadata,
                     buffers=buffers, state=state, timeout_s=timeout_s, **caps)
     layout = _layout(params, order, caps, ready_order)
-    host_params = [to_storage(_host(p)) for p in layout.spec_arrays(params)]
+    host_params = [to_storage(p) for p in _host_params(params, layout)]
     extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
                   run_state={"state": check_json(dict(state), "state")} if state is not None else {})
     info, slots, zero = None, {}, None
@@ -238,7 +256,7 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
 
     ``params`` and ``opt_state`` give the structure, shardings and (for a zero state) the world
-    size to load into: pass what ``init`` made. Every file is verified and every tensor matched by
+    size to load into: pass what ``init`` made (at stage 3, the global ``ParamShards``). Every file is verified and every tensor matched by
     name, shape and dtype before anything is built; a bad checkpoint raises
     :class:`~hybrid.checkpoint.CheckpointError` naming the file. With ``opt_state=None`` only the
     parameters are loaded. Under ``jax.distributed`` every process calls it (no communication):
@@ -267,10 +285,13 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     ckpt = Checkpoint(path)
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()
-    whole = ckpt.tensors("params")
-    old_leaves = layout.spec_arrays(params)
-    new_params = layout.unflatten({i: _like(whole[s.name], old)
-                                   for i, (s, old) in enumerate(zip(layout.plan.specs, old_leaves))})
+    if isinstance(params, ParamShards):
+        new_params = ParamShards(_flat_slices(ckpt, "params", params.layout.shards, params.buckets), params.layout)
+    else:
+        whole = ckpt.tensors("params")
+        old_leaves = layout.spec_arrays(params)
+        new_params = layout.unflatten({i: _like(whole[s.name], old)
+                                       for i, (s, old) in enumerate(zip(layout.plan.specs, old_leaves))})
     if opt_state is None:
         return new_params, None, ckpt.manifest.step
     return new_params, _load_state(ckpt, layout, opt_state), ckpt.manifest.step
@@ -312,6 +333,15 @@ def _refuse_per_parameter_state(ckpt: Checkpoint, info: OptimizerInfo) -> None:
             f"every parameter has stepped alike")
 
 
+def _flat_slices(ckpt: Checkpoint, kind: str, shards, old: tuple) -> tuple:
+    """Every device's slices of ``kind`` for the flat plan ``shards``: each bucket's global padded
+    array, placed as ``old[b]`` is (resharded from the saved world size). Each process reads only
+    the slices of the ranks its own devices hold: no communication under ``jax.distributed``."""
+    plan, n = ckpt.reshard_to(shards), shards.world_size
+    per_rank = {r: ckpt.slices(kind, plan, r) for r in sorted(_ranks_here(old[0], n))}
+    return tuple(_from_slices(o, n, {r: v[b] for r, v in per_rank.items()}) for b, o in enumerate(old))
+
+
 def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
     info = ckpt.manifest.optimizer
     if info is None:
@@ -332,13 +362,8 @@ def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
     else:
         n = _world_of(getattr(node, slots[0])[0])
         _check_zero(zero, layout, n)
-        plan = ckpt.reshard_to(shard_flat(layout.plan, n))
         for s in slots:
-            olds = getattr(node, s)
-            # Each process reads only the slices of the ranks its devices hold.
-            per_rank = {r: ckpt.slices(s, plan, r) for r in sorted(_ranks_here(olds[0], n))}
-            values[s] = tuple(_from_slices(old, n, {r: v[b] for r, v in per_rank.items()})
-                              for b, old in enumerate(olds))
+            values[s] = _flat_slices(ckpt, s, shard_flat(layout.plan, n), getattr(node, s))
 
     def replace(x):
         if x is node:

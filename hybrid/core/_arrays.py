@@ -152,6 +152,32 @@ def unpack(plan: BucketPlan, bucket_index: int, flat) -> dict[int, object]:
             for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels)}
 
 
+def bucket_pieces(plan: BucketPlan, bucket_index: int, length: int | None = None) -> tuple[tuple[int | None, int], ...]:
+    """A bucket padded to ``length`` elements as consecutive pieces ``(spec index, elements)``,
+    with ``None`` for an alignment gap or the padding: what :func:`pack` concatenates, so splitting
+    a flat bucket at these sizes undoes it (a split's transpose is a concatenate, where the
+    transpose of :func:`unpack`'s slices pads every member to the whole bucket and adds).
+
+    >>> from hybrid.core import TensorSpec, plan_buckets
+    >>> plan = plan_buckets([TensorSpec("a", (3,), "float32"), TensorSpec("b", (1, 2), "float32")])
+    >>> bucket_pieces(plan, 0, length=8)  # a, b, then 3 elements of padding
+    ((0, 3), (1, 2), (None, 3))
+    """
+    bucket = plan.buckets[bucket_index]
+    length = bucket.length if length is None else length
+    if length < bucket.length:
+        raise ValueError(f"length {length} is shorter than bucket {bucket_index}'s {bucket.length} elements")
+    pieces, end = [], 0
+    for m, offset, n in zip(bucket.members, bucket.offsets, bucket.numels):
+        if offset > end:
+            pieces.append((None, offset - end))
+        pieces.append((m, n))
+        end = offset + n
+    if length > end:
+        pieces.append((None, length - end))
+    return tuple(pieces)
+
+
 def take_shard(shards: FlatShardPlan, bucket_index: int, rank: int, flat):
     """Rank ``rank``'s slice of a bucket padded to ``shards.padded_length(bucket_index)``."""
     if flat.shape[0] != shards.padded_length(bucket_index):

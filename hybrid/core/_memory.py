@@ -1,11 +1,13 @@
-"""Per-rank memory under DDP, ZeRO-1 and ZeRO-2, by the ZeRO paper's formulas.
+"""Per-rank memory under DDP and ZeRO stages 1-3, by the ZeRO paper's formulas.
 
 Rajbhandari et al. (2020), section 5: with Psi parameters, K bytes of optimizer state per
 parameter and Nd data-parallel ranks, a rank holds
   DDP:    params + grads + K * Psi
   ZeRO-1: params + grads + K * Psi / Nd            (optimizer states partitioned, P_os)
   ZeRO-2: params + grads / Nd + K * Psi / Nd       (gradients partitioned too, P_os+g)
-The paper's Adam example has K = 12 (fp32 master weights, momentum, variance); here K follows the
+  ZeRO-3: (params + grads + K * Psi) / Nd           (parameters partitioned too, P_os+g+p)
+Stage 3 also holds full buckets while they are used (hybrid.core.zero3_memory: the working set,
+which the paper leaves out). The paper's Adam example has K = 12 (fp32 master weights, momentum, variance); here K follows the
 chosen optimizer, with 4 more bytes when fp32 master weights are kept (mixed precision).
 """
 
@@ -43,14 +45,18 @@ class ZeroMemory:
         return (self.param_bytes + self.grad_bytes / self.world_size
                 + self.state_bytes_per_param * self.num_params / self.world_size)
 
+    @property
+    def zero3(self) -> float:
+        return (self.param_bytes + self.grad_bytes + self.state_bytes_per_param * self.num_params) / self.world_size
+
 
 def zero_memory(specs: Sequence[TensorSpec], world_size: int, optimizer: str = "adam", *,
                 master_weights: bool = False) -> ZeroMemory:
     """The ZeRO paper's per-rank memory model for these parameters.
 
     >>> m = zero_memory([TensorSpec("w", (1000,), "float32")], 4, "adam")
-    >>> m.ddp, m.zero1, m.zero2
-    (16000, 10000.0, 7000.0)
+    >>> m.ddp, m.zero1, m.zero2, m.zero3
+    (16000, 10000.0, 7000.0, 4000.0)
     """
     specs = check_specs(specs)
     if optimizer not in OPTIMIZER_STATE_COPIES:

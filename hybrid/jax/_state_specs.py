@@ -7,7 +7,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from hybrid.jax._all_reduce import BucketedAllReduceState
-from hybrid.jax._zero import ZeroState
+from hybrid.jax._shards import ParamShards
+from hybrid.jax._zero_slices import ZeroState
 
 # States whose arrays differ per device: ZeRO's shards, the all-reduce's bucket buffers.
 _PER_DEVICE = (ZeroState, BucketedAllReduceState)
@@ -23,6 +24,10 @@ def state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_siz
     ``optax.adam`` chained after :func:`hybrid.jax.bucketed_all_reduce`, is replicated: it is
     computed from reduced gradients, the same on every device.
 
+    For ``zero(..., stage=3)`` pass the :class:`hybrid.jax.ParamShards` its ``init`` takes, as
+    global arrays (what ``shard_map`` returns) or one device's slices; the shards themselves take
+    ``P(axis_name)``.
+
     >>> import jax.numpy as jnp, optax
     >>> from hybrid.jax import bucketed_all_reduce, zero
     >>> state_specs(zero(optax.sgd(0.1, momentum=0.9), "dp"), {"w": jnp.ones(3)}, "dp", axis_size=4).inner[0].trace
@@ -32,6 +37,8 @@ def state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_siz
     >>> specs[0].buckets, specs[1][0].mu["w"]
     ((P('dp',),), P())
     """
+    if isinstance(params, ParamShards):
+        params = _one_device(params, axis_size)
     # vmap binds axis_name (zero.init needs it) and adds a leading axis of axis_size to every
     # output: ndim beyond it tells arrays from scalars.
     shapes = jax.eval_shape(jax.vmap(tx.init, in_axes=None, axis_size=axis_size, axis_name=axis_name), params)
@@ -42,3 +49,12 @@ def state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_siz
         return PartitionSpec()
 
     return jax.tree_util.tree_map(spec, shapes, is_leaf=lambda x: isinstance(x, _PER_DEVICE))
+
+
+def _one_device(shards: ParamShards, axis_size: int) -> ParamShards:
+    """One device's slices (shapes and dtypes) of global or per-device ParamShards."""
+    plan = shards.layout.shards
+    if plan.world_size != axis_size:
+        raise ValueError(f"state_specs: the shards were cut for {plan.world_size} device(s), axis_size={axis_size}")
+    return ParamShards(tuple(jax.ShapeDtypeStruct((size,), x.dtype) for size, x in zip(plan.shard_sizes, shards.buckets)),
+                       shards.layout)

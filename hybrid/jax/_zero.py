@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -12,54 +10,16 @@ import optax
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
-from hybrid.jax._elementwise import GLOBAL_DECISIONS, NON_ELEMENTWISE, check_exact_on_shards
-from hybrid.jax._elementwise import non_elementwise as _non_elementwise
-from hybrid.jax._masks import Binder, bind, contains_masks
+from hybrid.jax._elementwise import NON_ELEMENTWISE
 from hybrid.jax._on_shards import on_shards
+from hybrid.jax._shards import local_slices
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device
+from hybrid.jax._zero3 import zero3
+from hybrid.jax._zero_slices import ZeroState, check_inner, on_slices, shard_key
 
-_TRUST_RATIO = ("{} scales each leaf by a trust ratio, ||param|| / ||update|| of that whole leaf; on a flat "
-                "shard it would be the ratio of the shard's norms. Use an elementwise optimizer (adamw) inside "
-                "zero, or keep {} unsharded: optax.chain(hybrid.jax.bucketed_all_reduce(axis), optax.{}(...)).")
-# What to do instead, by culprit (the key None for the rest).
-_ADVICE = {
-    "clip_by_global_norm": "For global-norm clipping use hybrid.jax.clip_by_global_norm(max_norm, axis) "
-                           "inside zero: it sums the shards' squared norms over the axis.",
-    "scale_by_trust_ratio": _TRUST_RATIO.format("LAMB (scale_by_trust_ratio)", "lamb", "lamb"),
-    "scale_by_lars": _TRUST_RATIO.format("LARS (scale_by_lars)", "lars", "lars"),
-    "apply_if_finite": "For skipping non-finite steps use " + GLOBAL_DECISIONS["apply_if_finite"] + ".",
-    None: "Keep such a transform outside zero, after an unsharded reduction "
-          "(optax.chain(hybrid.jax.bucketed_all_reduce(axis), transform)).",
-}
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner"], meta_fields=["plan_fingerprint"])
-@dataclasses.dataclass(frozen=True)
-class ZeroState:
-    """State of :func:`zero`: the inner transform's state over this device's bucket shards.
-
-    ``inner`` was initialised on a tuple of 1-D arrays, one per bucket (this device's slice of
-    it). ``plan_fingerprint`` is static (part of the tree structure), so a params tree whose
-    layout changed between ``init`` and ``update`` is caught at trace time.
-    """
-
-    inner: optax.OptState
-    plan_fingerprint: str
-
-
-class _ShardKey(str):
-    """``ZeroState.plan_fingerprint``: the shard plan's fingerprint (compared and hashed as that
-    string), whose repr says what it is, since JAX prints it when a state spec tree differs."""
-
-    def __repr__(self):
-        return (f"{str.__repr__(self)} (zero's shard plan: bucket plan {self.bucket_plan!r} cut for "
-                f"axis_size={self.axis_size})")
-
-
-def shard_key(shards) -> str:
-    key = _ShardKey(shards.fingerprint())
-    key.bucket_plan, key.axis_size = shards.bucket_plan.fingerprint(), shards.world_size
-    return key
+__all__ = ["NON_ELEMENTWISE", "ZeroState", "zero"]
+_DEFAULTS = dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES,
+                 order=None, copy_backend=None, ready_order=None, pairing=None)
 
 
 def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
@@ -68,7 +28,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
          order: Sequence[str] | None = None, check_elementwise: bool = True,
          copy_backend: str | None = None, ready_order: Sequence[str] | None = None,
          pairing: ParamPairing | None = None) -> optax.GradientTransformation:
-    """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2).
+    """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2), or with the
+    parameters and gradients too (stage 3).
 
     Gradients (per device, see :func:`hybrid.jax.local_grad`) are packed into the buckets of
     ``hybrid.core.plan_buckets``; every bucket is cut into equal slices by ``shard_flat``.
@@ -78,6 +39,14 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     and the updates are all-gathered back into the tree. ``init`` and ``update`` must run where
     ``axis_name`` is bound: ``jax.shard_map`` (state out_specs from :func:`hybrid.jax.state_specs`),
     ``jax.pmap``, or a multi-process mesh.
+
+    Stage 3 steps :class:`hybrid.jax.ParamShards` (this device's flat slice of every bucket, from
+    :func:`hybrid.jax.shard_params`) with the gradient slices ``jax.grad`` returns through
+    :func:`hybrid.jax.gathered` / :func:`hybrid.jax.gather_params` (already reduce-scattered;
+    ``update`` divides by the axis size for the mean) and returns updates of the slices: no
+    collective of its own. The bucket plan travels with the shards, so the caps, ``order`` and
+    ``copy_backend`` go to ``shard_params`` instead (given here at stage 3, a ValueError).
+    Its state is the stage-2 state of the same plan (see docs/jax.md, "ZeRO-3").
 
     Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...), for
     :func:`hybrid.jax.clip_by_global_norm`, and for weight-decay masks and param groups
@@ -99,7 +68,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     Args:
       inner: any optax transform.
       axis_name: the data-parallel axis.
-      stage: 1 or 2, accepted for parity with torch's ZeRO-1 / ZeRO-2; the same program.
+      stage: 1 or 2, accepted for parity with torch's ZeRO-1 / ZeRO-2 (the same program), or 3.
       bucket_cap_bytes / first_bucket_cap_bytes: bucket caps, as DDP's.
       mean: average gradients over the axis (DDP) instead of summing.
       order: leaf names in registration order (see :func:`hybrid.jax.specs`).
@@ -119,46 +88,32 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     >>> round(float(out["w"][0, 0, 0]), 6)
     -0.1
     """
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if stage == 3:
+        given = {k: v for k, v in dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes,
+                                       order=order, copy_backend=copy_backend, ready_order=ready_order,
+                                       pairing=pairing).items() if v != _DEFAULTS[k]}
+        if given:
+            raise ValueError(f"zero(stage=3): {sorted(given)} would have no effect: at stage 3 the bucket plan "
+                             f"travels with the ParamShards; pass them to hybrid.jax.shard_params")
+        return zero3(inner, axis_name, mean=mean, check_elementwise=check_elementwise)
     check_caps(bucket_cap_bytes, first_bucket_cap_bytes)
     check_backend(copy_backend)
-    if check_elementwise:
-        bad = _non_elementwise(inner)
-        if bad:
-            advice = " ".join(dict.fromkeys(_ADVICE.get(name, _ADVICE[None]) for name in bad))
-            raise ValueError(f"zero: inner transform uses {bad}, which depend on statistics across "
-                             f"elements or on tree structure and are not exact on flat shards. {advice} "
-                             f"Or pass check_elementwise=False if you accept the difference")
+    check_inner(inner, axis_name, check_elementwise)
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
-    if check_elementwise:
-        check_exact_on_shards(inner, axis_name)
 
     def layout_of(tree, what):
         return _Layout.of(tree, what=what, order=order, ready_order=ready_order, pairing=pairing, **caps)
 
-    def local_shards(layout, shards, tree, rank, cuda):
-        # This device's slice of every bucket of a replicated tree: no communication.
-        arrays = layout.spec_arrays(tree)
-        out = []
-        for b in range(layout.plan.num_buckets):
-            flat = pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=cuda)
-            size = shards.shard_sizes[b]
-            out.append(jax.lax.dynamic_slice_in_dim(flat, rank * size, size))
-        return tuple(out)
-
-    masked = contains_masks(inner)
-
-    def flat_inner(tree, layout, shards, rank):
-        # Masks and labels are per leaf; on flat slices they become per element (see _masks).
-        return bind(inner, Binder(tree, layout, shards, rank)) if masked else inner
+    flat_inner = on_slices(inner)  # masks and labels are per leaf; on flat slices per element
 
     def init_fn(params):
         n = axis_size(axis_name, "zero.init")
         layout = layout_of(params, "zero.init")
         shards = layout.shards(n)
         rank = jax.lax.axis_index(axis_name)
-        param_shards = local_shards(layout, shards, params, rank, use_kernels(copy_backend))
+        param_shards = local_slices(layout, shards, params, rank, use_kernels(copy_backend))
         with on_shards(axis_name):
             inner_state = flat_inner(params, layout, shards, rank).init(param_shards)
         return ZeroState(inner_state, shard_key(shards))
@@ -189,7 +144,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
             if param_layout.plan != layout.plan:
                 raise ValueError("zero.update: params and updates must be trees of the same names, "
                                  "shapes and dtypes")
-            param_shards = local_shards(param_layout, shards, params, rank, cuda)
+            param_shards = local_slices(param_layout, shards, params, rank, cuda)
         with on_shards(axis_name):
             new_shards, inner_state = flat_inner(updates, layout, shards, rank).update(
                 tuple(grad_shards), state.inner, param_shards)

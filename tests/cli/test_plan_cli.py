@@ -188,3 +188,34 @@ def test_project_prints_every_network():
     assert out.returncode == 0, out.stderr
     for name in ("NVLink-class", "400 Gb/s InfiniBand", "100 GbE", "exposed"):
         assert name in out.stdout
+
+
+def test_zero3_view_matches_the_core():
+    # Stage 3's memory and every stage's bytes per step, as the core computes them; the keys are
+    # additions: the stage-1/2 keys above stay as they were.
+    from hybrid.core import STAGES, shard_flat, step_cost, zero3_memory
+
+    out = run_cli("--model", "mlp", "--world-size", "8", "--prefetch", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    plan = plan_buckets(EXAMPLES["mlp"]())
+    k = report["state_bytes_per_param"]
+    m = zero3_memory(shard_flat(plan, 8), k, prefetch=2)
+    assert report["zero3_bytes_per_rank"] == {"param_bytes": m.param_bytes, "grad_bytes": m.grad_bytes,
+                                              "state_bytes": m.state_bytes, "gathered_bytes": m.gathered_bytes,
+                                              "total_bytes": m.total}
+    assert report["forward_order"] == list(reversed(range(plan.num_buckets))) and report["prefetch"] == 2
+    assert report["formula_bytes_per_rank"]["zero3"] == pytest.approx(
+        (2 * report["param_bytes"] + k * report["num_params"]) / 8)
+    sent = report["sent_bytes_per_rank_per_step"]
+    for stage in STAGES:
+        key = stage if stage == "ddp" else f"zero{stage}"
+        assert sent[key] == step_cost(plan, 8, stage, lambda kind, n: 0.0, forward_s=0, backward_s=0).wire_bytes
+    assert sent["zero3"] == pytest.approx(1.5 * sent["ddp"]) and sent["zero3_kept"] == pytest.approx(sent["ddp"])
+    text = run_cli("--model", "mlp", "--world-size", "8").stdout
+    assert "ZeRO-3 per rank" in text and "kept for the backward" in text and "1.50x" in text
+
+
+def test_negative_prefetch_is_refused():
+    out = run_cli("--prefetch", "-1")
+    assert out.returncode != 0 and "--prefetch must be >= 0" in out.stderr

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid.core import (BucketPlan, FlatShardPlan, TensorSpec, assign_buckets, pack, plan_buckets,
+from hybrid.core import (BucketPlan, FlatShardPlan, TensorSpec, assign_buckets, bucket_pieces, pack, plan_buckets,
                          rebuild_plan, shard_flat, take_shard, unpack)
 
 from .strategies import spec_lists
@@ -129,6 +129,10 @@ def test_pack_unpack_identity_numpy(specs, alignment, world_size, seed):
         np.testing.assert_array_equal(buffer, flat)  # into a zeroed buffer: the same bytes, padding too
         for m, out in unpack(plan, b, flat).items():
             np.testing.assert_array_equal(out, arrays[m])  # exact: pure data movement
+        cuts = bucket_pieces(plan, b, length=shards.padded_length(b))
+        assert sum(n for _, n in cuts) == len(flat)
+        for (m, _), part in zip(cuts, np.split(flat, np.cumsum([n for _, n in cuts])[:-1])):
+            np.testing.assert_array_equal(part, np.zeros_like(part) if m is None else arrays[m].reshape(-1))
         pieces = [take_shard(shards, b, r, flat) for r in range(world_size)]
         np.testing.assert_array_equal(np.concatenate(pieces), flat)
         for r in range(world_size):

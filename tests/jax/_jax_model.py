@@ -67,3 +67,10 @@ def shard_map_train(tx, mesh, params, *, jit=True, donate_state=False):
     if jit:
         init, step = jax.jit(init), jax.jit(step, donate_argnums=(1,) if donate_state else ())
     return init, step
+
+
+def assert_trees_close(got, want, *, rtol, atol, what=""):
+    """Every leaf of ``got`` close to ``want``'s (same structure), the failing leaf named."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol,
+                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")

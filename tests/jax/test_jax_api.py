@@ -207,7 +207,7 @@ def test_elementwise_inner_accepted(inner):
 
 
 @pytest.mark.parametrize("kwargs,error", [
-    (dict(stage=3), "stage must be 1 or 2"), (dict(bucket_cap_bytes=-1), "bucket_cap_bytes"),
+    (dict(stage=4), "stage must be 1, 2 or 3"), (dict(bucket_cap_bytes=-1), "bucket_cap_bytes"),
     (dict(first_bucket_cap_bytes=1.5), "first_bucket_cap_bytes"),
 ])
 def test_bad_arguments(kwargs, error):

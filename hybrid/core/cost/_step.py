@@ -11,9 +11,10 @@ parameters), and one communication stream that runs collectives in issue order:
   updated share (1/p of the parameters), after the backward.
 - ZeRO-2: a reduce-scatter per bucket in place of the all-reduce, then an all-gather of every
   bucket's updated parameters.
-- ZeRO-3: each bucket's parameters all-gathered before its forward slice and again before its
-  backward slice (one bucket prefetched ahead, so at most two are gathered at once), gradients
-  reduce-scattered after it: 1.5x DDP's bytes (the ZeRO paper's figure).
+- ZeRO-3: each bucket's parameters all-gathered before its forward slice (buckets in
+  hybrid.core.forward_order) and again before its backward slice (``prefetch`` buckets gathered
+  ahead: hybrid.core.gather_windows), gradients reduce-scattered after it: 1.5x DDP's bytes (the
+  ZeRO paper's figure).
 
 >>> from hybrid.core import TensorSpec, plan_buckets
 >>> from hybrid.core.cost._collectives import NETWORKS, collective_seconds
@@ -32,6 +33,7 @@ from collections.abc import Callable
 
 from hybrid.core._buckets import BucketPlan
 from hybrid.core.cost._collectives import exposed_seconds, wire_bytes
+from hybrid.core._zero3 import _check_prefetch, forward_order
 
 STAGES = ("ddp", 1, 2, 3)
 CollectiveCost = Callable[[str, float], float]  # (collective, nbytes) -> seconds
@@ -48,8 +50,9 @@ class StepCost:
 
 
 def step_cost(plan: BucketPlan, world_size: int, stage, seconds: CollectiveCost, *, forward_s: float,
-              backward_s: float, reshard_after_forward: bool = True) -> StepCost:
+              backward_s: float, reshard_after_forward: bool = True, prefetch: int = 1) -> StepCost:
     """Simulate one step's compute and communication (see the module docstring)."""
+    _check_prefetch(prefetch)
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     if forward_s < 0 or backward_s < 0:
@@ -67,18 +70,20 @@ def step_cost(plan: BucketPlan, world_size: int, stage, seconds: CollectiveCost,
         volume += wire_bytes(kind, n, world_size)
 
     last = len(buckets) - 1
+    # A bucket's gather waits until the bucket `prefetch + 1` places ahead of it has computed (and
+    # freed its buffer): at most prefetch + 1 buckets are gathered at once.
+    ahead = prefetch + 1
     if stage == 3:
-        # forward in first-use order: the plan's reverse (bucket 0 holds the last layers)
-        order = list(reversed(range(len(buckets))))
+        order = forward_order(plan)  # the backward below runs in plan order: its reverse
         for k, b in enumerate(order):
-            send(f"gather_f{b}", "all_gather", nbytes[b], [f"fwd{order[k - 2]}"] if k >= 2 else [])
+            send(f"gather_f{b}", "all_gather", nbytes[b], [f"fwd{order[k - ahead]}"] if k >= ahead else [])
             compute.append((f"fwd{b}", fwd[b], [f"gather_f{b}"]))
     else:
         compute.append(("fwd", forward_s, []))
     for b in range(len(buckets)):
         needs = []
         if stage == 3 and reshard_after_forward:
-            send(f"gather_b{b}", "all_gather", nbytes[b], [f"bwd{b - 2}"] if b >= 2 else [])
+            send(f"gather_b{b}", "all_gather", nbytes[b], [f"bwd{b - ahead}"] if b >= ahead else [])
             needs = [f"gather_b{b}"]
         compute.append((f"bwd{b}", bwd[b], needs))
         if stage in ("ddp", 1):

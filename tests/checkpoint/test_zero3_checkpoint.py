@@ -1,0 +1,157 @@
+"""A ZeRO-3 checkpoint (hybrid.jax.zero stage 3: ParamShards + the stage-2 state) resumes at another
+device count, in stages 1 and 2, and in torch.
+
+Within JAX the tolerance is tests/jax's (rtol 1e-6, atol 2e-7: another device count only changes
+the order of float32 additions in the gradient mean); loading moves elements and computes nothing,
+so loaded tensors are compared bitwise. Across frameworks it is the parity tolerance of
+tests/checkpoint/test_resume.py (losses rtol 1e-5 / atol 1e-6, parameters rtol 1e-4 / atol 1e-5).
+"""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import hybrid.jax as hj
+from hybrid.checkpoint import Checkpoint
+from hybrid.checkpoint import jax as ckpt_jax
+from tests.jax._jax_model import CAPS, make_batch, make_params, shard_map_train
+from tests.jax._zero3_run import cut, mesh_of, stage3_train
+
+SAVE, STOP = 3, 6
+SAME = dict(rtol=1e-6, atol=2e-7)
+INNER = lambda: optax.adamw(0.05, weight_decay=0.1)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@functools.cache
+def stage3_run(world_size=4):
+    """4 devices, stage 3: the shards and state after SAVE steps, and the params after STOP."""
+    mesh = mesh_of(world_size)
+    shards = cut(make_params(), mesh)
+    init, step = stage3_train(hj.zero(INNER(), "dp", stage=3), mesh, shards)
+    state, saved = init(shards), None
+    for i in range(STOP):
+        shards, state = step(shards, state, *make_batch(i))
+        if i + 1 == SAVE:
+            saved = shards, state
+    return saved, hj.unshard_params(shards)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("zero3") / "ckpt"
+    (shards, state), _ = stage3_run()
+    ckpt_jax.save(path, shards, state, step=SAVE, stage=3)
+    return path
+
+
+def test_the_files_hold_the_slices_as_stage_2_does(saved):
+    (shards, state), _ = stage3_run()
+    ckpt = Checkpoint(saved)
+    assert (ckpt.manifest.world_size, ckpt.manifest.stage, ckpt.manifest.step) == (4, 3, SAVE)
+    assert ckpt.manifest.plan == shards.layout.layout.plan
+    params = ckpt.tensors("params")
+    for (path, want) in jax.tree_util.tree_flatten_with_path(hj.unshard_params(shards))[0]:
+        np.testing.assert_array_equal(params[hj.key_path_name(path)], np.asarray(want))
+    for r in range(4):  # rank r's file: device r's slices, the padding included
+        for b, flat in enumerate(state.inner[0].mu):
+            lo, hi = shards.layout.shards.shard_range(b, r)
+            np.testing.assert_array_equal(ckpt.read(r, f"mu/{b}", 0, hi - lo), np.asarray(flat)[lo:hi])
+            np.testing.assert_array_equal(ckpt.read(r, f"params/{b}", 0, hi - lo), np.asarray(shards.buckets[b])[lo:hi])
+
+
+def _resume_stage3(path, world_size):
+    mesh = mesh_of(world_size)
+    shards = cut(make_params(seed=9), mesh)  # another start: the load must replace it
+    tx = hj.zero(INNER(), "dp", stage=3)
+    init, step = stage3_train(tx, mesh, shards)
+    shards, state, at = ckpt_jax.load(path, shards, init(shards))
+    return shards, state, at, step
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_resumes_in_stage_3_at_another_device_count(saved, tmp_path, world_size):
+    shards, state, at, step = _resume_stage3(saved, world_size)
+    assert at == SAVE and shards.layout.shards.world_size == world_size
+    (saved_shards, _), final = stage3_run()
+    for a, b in zip(_leaves(hj.unshard_params(shards)), _leaves(hj.unshard_params(saved_shards)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Saved again from here, before any step: the same tensors (resharding computes nothing).
+    ckpt_jax.save(tmp_path / "again", shards, state, step=at, stage=3)
+    for kind in ("params", "mu", "nu"):
+        a, b = Checkpoint(saved).tensors(kind), Checkpoint(tmp_path / "again").tensors(kind)
+        assert list(a) == list(b) and all(np.array_equal(a[k], b[k]) for k in a), kind
+    for i in range(SAVE, STOP):
+        shards, state = step(shards, state, *make_batch(i))
+    for a, b in zip(_leaves(hj.unshard_params(shards)), _leaves(final), strict=True):
+        np.testing.assert_allclose(a, b, **SAME)
+
+
+@pytest.mark.parametrize("stage,world_size", [(1, 1), (2, 3)])
+def test_resumes_in_stages_1_and_2(saved, stage, world_size):
+    mesh = mesh_of(world_size)
+    init, step = shard_map_train(hj.zero(INNER(), "dp", stage=stage, **CAPS), mesh, make_params())
+    params, state, at = ckpt_jax.load(saved, make_params(seed=9), init(make_params(seed=9)), **CAPS)
+    assert at == SAVE
+    for i in range(SAVE, STOP):
+        params, state = step(params, state, *make_batch(i))
+    for a, b in zip(_leaves(params), _leaves(stage3_run()[1]), strict=True):
+        np.testing.assert_allclose(a, b, **SAME)
+
+
+def _demo_stage3(config, num_devices, save_to, save_at):
+    """The demo's twin MLP trained by JAX at stage 3 (its ``build_jax`` runs stages 1 and 2): the
+    global loss of every step and the final params, by torch name; a checkpoint after ``save_at``."""
+    from hybrid.demo import cross_entropy, global_batch, host_mesh, init_params, jax_params, param_order
+    from hybrid.demo._jax_run import global_array, numpy_params, pin_jax_numerics
+
+    pin_jax_numerics()
+    mesh = host_mesh(num_devices)
+    caps = dict(order=param_order(config.sizes), bucket_cap_bytes=config.bucket_cap_bytes,
+                first_bucket_cap_bytes=config.bucket_cap_bytes)
+    shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, "dp", **caps), mesh=mesh, in_specs=P(),
+                                   out_specs=P("dp")))(jax_params(init_params(config.seed, config.sizes)))
+    tx = hj.zero(optax.adam(config.lr, b1=config.betas[0], b2=config.betas[1], eps=config.eps), "dp", stage=3)
+    specs = hj.state_specs(tx, shards, "dp", axis_size=num_devices)
+    loss_of_shards = hj.gathered(cross_entropy)
+
+    def step(shards, state, x, y):
+        loss, g = jax.value_and_grad(loss_of_shards)(shards, x, y)
+        u, state = tx.update(g, state, shards)
+        return optax.apply_updates(shards, u), state, jax.lax.pmean(loss, "dp")
+
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))(shards)
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp"), P("dp")),
+                                 out_specs=(P("dp"), specs, P())))
+    losses = []
+    for i in range(config.num_steps):
+        x, y = global_batch(config.seed, i, config.sizes, config.global_batch_size)
+        shards, state, loss = step(shards, state, global_array(x, mesh, P("dp")),
+                                   global_array(y.astype(np.int32), mesh, P("dp")))
+        losses.append(float(loss))
+        if i + 1 == save_at:
+            ckpt_jax.save(save_to, shards, state, step=save_at, stage=3, optimizer="adam",
+                          hyperparameters=dict(lr=config.lr, betas=list(config.betas), eps=config.eps))
+    return np.asarray(losses), numpy_params(jax.tree.map(np.asarray, hj.unshard_params(shards)))
+
+
+def test_resumes_in_torch(tmp_path):
+    # JAX stage 3 on 3 devices saves at step 6; torch (DDP + ZeRO2, 2 gloo ranks) resumes there
+    # and follows JAX's uninterrupted run to step 12.
+    from hybrid.demo import TrainConfig, launch_torch
+
+    config = TrainConfig(global_batch_size=48, num_steps=12)
+    losses, params = _demo_stage3(config, 3, tmp_path / "jax3", 6)
+    torch_run = launch_torch(TrainConfig(global_batch_size=48, num_steps=12, stage=2), world_size=2,
+                             resume=str(tmp_path / "jax3"))
+    assert torch_run.start_step == 6
+    np.testing.assert_allclose(torch_run.losses, losses[6:], rtol=1e-5, atol=1e-6)
+    for name, value in params.items():
+        np.testing.assert_allclose(torch_run.params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
