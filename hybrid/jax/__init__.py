@@ -6,10 +6,10 @@ from hybrid.jax._cost_probe import measure_collectives
 from hybrid.jax._finite import apply_if_finite
 from hybrid.jax._grad import local_grad
 from hybrid.jax._ready import gradient_ready_order
-from hybrid.jax._shards import ParamShards, gather_params, gathered, shard_params, unshard_params
+from hybrid.jax.sharded._params import ParamShards, gather_params, gathered, shard_params, unshard_params
 from hybrid.jax._specs import key_path_name, specs
 from hybrid.jax._state_specs import state_specs
-from hybrid.jax._zero import NON_ELEMENTWISE, ZeroState, zero
+from hybrid.jax.sharded._zero import NON_ELEMENTWISE, ZeroState, zero
 
 __all__ = [
     "NON_ELEMENTWISE", "BucketedAllReduceState", "ParamShards", "ZeroState",

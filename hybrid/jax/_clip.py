@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hybrid.jax._on_shards import running_on_shards
+from hybrid.jax.sharded._on_shards import running_on_shards
 from hybrid.jax._specs import axis_size, tracks_varying, varying_axes
 
 

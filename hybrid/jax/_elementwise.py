@@ -11,7 +11,7 @@
   shards (axis of size 2), as ``zero`` would, and compares the updates.
 
 Masks and partitions (``optax.masked``, ``partition``) reached through chains are not refused:
-``zero`` rewrites them for its slices (``hybrid.jax._masks``); the probe runs the rewritten form.
+``zero`` rewrites them for its slices (``hybrid.jax.sharded._masks``); the probe runs the rewritten form.
 
 What no guard here can catch: a non-elementwise transform *before* ``zero`` in a chain,
 ``optax.chain(optax.clip_by_global_norm(c), zero(inner, axis))``. ``zero`` sees only the
@@ -28,8 +28,8 @@ import jax
 import numpy as np
 import optax
 
-from hybrid.jax._on_shards import on_shards
-from hybrid.jax._masks import MASKING, ProbeBinder, bind, closure_cells, contains_masks, outside_combinators
+from hybrid.jax.sharded._on_shards import on_shards
+from hybrid.jax.sharded._masks import MASKING, ProbeBinder, bind, closure_cells, contains_masks, outside_combinators
 
 # optax transforms whose result depends on statistics across elements, leaves or shapes: run on
 # per-bucket flat shards they would silently compute something else. Matched on the qualified name
@@ -112,7 +112,7 @@ def non_elementwise(inner) -> list[str]:
 
     Masks and partitions (``masked``, ``partition`` / ``multi_transform``, ``adamw(mask=...)``)
     that ``zero`` rewrites for its flat slices (reached through chains, named chains and other
-    masks: ``hybrid.jax._masks``) are left out; behind any other wrapper they are named.
+    masks: ``hybrid.jax.sharded._masks``) are left out; behind any other wrapper they are named.
     """
     found = optax_names(inner, NON_ELEMENTWISE)
     hidden = {n for t in outside_combinators(inner) for n in optax_names(t, MASKING)}

@@ -7,8 +7,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from hybrid.jax._all_reduce import BucketedAllReduceState
-from hybrid.jax._shards import ParamShards
-from hybrid.jax._zero_slices import ZeroState
+from hybrid.jax.sharded._params import ParamShards
+from hybrid.jax.sharded._slices import ZeroState
 
 # States whose arrays differ per device: ZeRO's shards, the all-reduce's bucket buffers.
 _PER_DEVICE = (ZeroState, BucketedAllReduceState)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import jax
 import optax
 
-from hybrid.jax._on_shards import on_shards
-from hybrid.jax._shards import ParamShards, check_local
+from hybrid.jax.sharded._on_shards import on_shards
+from hybrid.jax.sharded._params import ParamShards, check_local
 from hybrid.jax._specs import axis_size, check_state_per_device
-from hybrid.jax._zero_slices import ZeroState, check_inner, on_slices, shard_key
+from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, shard_key
 
 
 def _abstract_params(shards: ParamShards):

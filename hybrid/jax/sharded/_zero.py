@@ -11,11 +11,11 @@ import optax
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._elementwise import NON_ELEMENTWISE
-from hybrid.jax._on_shards import on_shards
-from hybrid.jax._shards import local_slices
+from hybrid.jax.sharded._on_shards import on_shards
+from hybrid.jax.sharded._params import local_slices
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device
-from hybrid.jax._zero3 import zero3
-from hybrid.jax._zero_slices import ZeroState, check_inner, on_slices, shard_key
+from hybrid.jax.sharded._zero3 import zero3
+from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, shard_key
 
 __all__ = ["NON_ELEMENTWISE", "ZeroState", "zero"]
 _DEFAULTS = dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES,
@@ -52,7 +52,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     :func:`hybrid.jax.clip_by_global_norm`, and for weight-decay masks and param groups
     (``optax.masked``, ``adamw(mask=...)``, ``add_decayed_weights(mask=...)``,
     ``optax.partition`` / ``multi_transform``, in chains): ``zero`` rewrites them per element of
-    its flat slices (``hybrid.jax._masks``; a masked transform keeps state for the whole slice).
+    its flat slices (``hybrid.jax.sharded._masks``; a masked transform keeps state for the whole slice).
     Known non-elementwise optax transforms (``NON_ELEMENTWISE``: ``optax.clip_by_global_norm``,
     trust ratios, factored second moments ...), also inside ``inject_hyperparams``,
     ``MultiSteps`` and chains, and masks behind such wrappers raise a ValueError unless

@@ -15,7 +15,7 @@ import optax
 
 from hybrid.jax._elementwise import GLOBAL_DECISIONS, check_exact_on_shards
 from hybrid.jax._elementwise import non_elementwise as _non_elementwise
-from hybrid.jax._masks import Binder, bind, contains_masks
+from hybrid.jax.sharded._masks import Binder, bind, contains_masks
 
 _TRUST_RATIO = ("{} scales each leaf by a trust ratio, ||param|| / ||update|| of that whole leaf; on a flat "
                 "shard it would be the ratio of the shard's norms. Use an elementwise optimizer (adamw) inside "
@@ -76,7 +76,7 @@ def check_inner(inner: optax.GradientTransformation, axis_name, check_elementwis
 
 def on_slices(inner: optax.GradientTransformation):
     """``inner`` for this device's slices: ``(tree, layout, shards, rank) -> transform`` with its
-    masks and labels, given per leaf of ``tree``, rewritten per element (``hybrid.jax._masks``)."""
+    masks and labels, given per leaf of ``tree``, rewritten per element (``hybrid.jax.sharded._masks``)."""
     if not contains_masks(inner):
         return lambda tree, layout, shards, rank: inner
     return lambda tree, layout, shards, rank: bind(inner, Binder(tree, layout, shards, rank))

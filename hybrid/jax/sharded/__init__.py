@@ -1,0 +1,9 @@
+"""ZeRO for JAX: ``zero`` (stages 1 and 2: optimizer state, then gradients, on flat bucket
+slices), stage 3's parameters as slices (``ParamShards``, ``shard_params``, ``gather_params``,
+``gathered``), and the masks and partitions an inner optax transform sees on slices."""
+
+from hybrid.jax.sharded._params import ParamShards, gather_params, gathered, shard_params, unshard_params
+from hybrid.jax.sharded._slices import ZeroState
+from hybrid.jax.sharded._zero import zero
+
+__all__ = ["ParamShards", "ZeroState", "gather_params", "gathered", "shard_params", "unshard_params", "zero"]
