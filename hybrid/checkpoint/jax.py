@@ -78,20 +78,30 @@ def _world_of(array) -> int:
 
 
 def _layout(params, order, caps) -> _Layout:
+    # caps: the bucket caps, and the ready_order / pairing hybrid.jax.zero planned with
     return _Layout.of(params, what="checkpoint", order=order, **caps)
+
+
+def _plan_args(bucket_cap_bytes, first_bucket_cap_bytes, ready_order, pairing, mapping) -> dict:
+    """What decides zero's plan besides ``order``, as ``_Layout.of`` takes it."""
+    if mapping is not None and pairing is not None:
+        raise ValueError("give mapping= or pairing=, not both: a zero state planned with pairing= holds torch's "
+                         "names and layouts already, and is saved and loaded as it is")
+    return dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes,
+                ready_order=ready_order, pairing=pairing)
 
 
 def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
     if shard_flat(layout.plan, world_size).fingerprint() != zero.plan_fingerprint:
         raise CheckpointError("the ZeroState was planned with other bucket caps or leaf order than given here: "
-                              "pass the order= and bucket caps you gave hybrid.jax.zero")
+                              "pass the order=, bucket caps, ready_order= and pairing= you gave hybrid.jax.zero")
 
 
 def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=None, world_size: int | None = None,
          stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
          metadata: dict | None = None, buffers=None, state: dict | None = None, mapping=None,
-         timeout_s: float = 60.0) -> Manifest:
+         ready_order=None, pairing=None, timeout_s: float = 60.0) -> Manifest:
     """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
 
     With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
@@ -112,7 +122,9 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
       params: the parameter pytree (replicated global arrays or host arrays).
       opt_state: the optax state, or None for parameters alone.
       step: the training step to record.
-      order, bucket_cap_bytes, first_bucket_cap_bytes: what ``hybrid.jax.zero`` was given.
+      order, bucket_cap_bytes, first_bucket_cap_bytes, ready_order, pairing: what
+        ``hybrid.jax.zero`` was given. With ``pairing`` the plan is over torch's names and layouts,
+        so the checkpoint is too: torch's ``hybrid.checkpoint.torch.load`` reads it as its own.
       world_size: files to write for an unsharded state (a zero state has its own).
       stage, optimizer, hyperparameters, metadata: recorded in the manifest (``optimizer``
         defaults to "adam" for a ScaleByAdamState, "sgd" for a TraceState).
@@ -138,12 +150,13 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     >>> save(d, params, state, step=0, world_size=2).optimizer.slots
     ('mu', 'nu')
     """
-    caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    caps = _plan_args(bucket_cap_bytes, first_bucket_cap_bytes, ready_order, pairing, mapping)
     if mapping is not None:
         view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, host=True)
         return save(path, view.params, view.state, step=step, order=view.order, world_size=world_size or view.world_size,
                     stage=stage, optimizer=optimizer, hyperparameters=hyperparameters, metadata=metadata,
-                    buffers=buffers, state=state, timeout_s=timeout_s, **caps)
+                    buffers=buffers, state=state, timeout_s=timeout_s, bucket_cap_bytes=bucket_cap_bytes,
+                    first_bucket_cap_bytes=first_bucket_cap_bytes)
     layout = _layout(params, order, caps)
     host_params = [to_storage(_host(p)) for p in layout.spec_arrays(params)]
     extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
@@ -232,7 +245,7 @@ def _from_slices(old, n: int, slices: dict[int, np.ndarray]):
 
 def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-         mapping=None):
+         mapping=None, ready_order=None, pairing=None):
     """Load a checkpoint (from either frontend, any world size) into the layout of ``params`` and
     ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
 
@@ -246,6 +259,9 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     With ``mapping`` (a ``hybrid.core.ParamMapping`` or ``ParamPairing``) the checkpoint holds
     torch's names and layouts (a torch save, or a JAX save with the same mapping): each tensor is
     placed through the mapping, and one the mapping cannot place is a ``MappingError`` naming it.
+    ``order``, the bucket caps, ``ready_order`` and ``pairing`` are what ``hybrid.jax.zero`` was
+    given (a state planned with ``pairing`` holds torch's names and layouts: it reads a torch
+    checkpoint as it is, without ``mapping``).
 
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.arange(6.0).reshape(2, 3)}
@@ -254,10 +270,12 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     >>> step, loaded["w"].tolist()
     (3, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
     """
-    caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    caps = _plan_args(bucket_cap_bytes, first_bucket_cap_bytes, ready_order, pairing, mapping)
     if mapping is not None:
         view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, path=path, host=False)
-        loaded_params, loaded_state, step = load(path, view.params, view.state, order=view.order, **caps)
+        loaded_params, loaded_state, step = load(path, view.params, view.state, order=view.order,
+                                                 bucket_cap_bytes=bucket_cap_bytes,
+                                                 first_bucket_cap_bytes=first_bucket_cap_bytes)
         return (*view.back(params, opt_state, loaded_params, loaded_state), step)
     layout = _layout(params, order, caps)
     ckpt = Checkpoint(path)
