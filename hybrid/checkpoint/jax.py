@@ -81,10 +81,10 @@ def _world_of(array) -> int:
     return len(sharding.device_set)
 
 
-def _layout(params, order, caps, ready_order=None) -> _Layout:
+def _layout(params, order, caps, ready_order=None, pairing=None) -> _Layout:
     if isinstance(params, ParamShards):
         return params.layout.layout
-    return _Layout.of(params, what="checkpoint", order=order, ready_order=ready_order, **caps)
+    return _Layout.of(params, what="checkpoint", order=order, ready_order=ready_order, pairing=pairing, **caps)
 
 
 def _host_params(params, layout: _Layout) -> list[np.ndarray]:
@@ -98,17 +98,25 @@ def _host_params(params, layout: _Layout) -> list[np.ndarray]:
     return [per_spec[i] for i in range(len(layout.plan.specs))]
 
 
+def _caps(bucket_cap_bytes, first_bucket_cap_bytes, pairing, mapping) -> dict:
+    """The bucket caps, once ``mapping`` and ``pairing`` are known not to both be given."""
+    if mapping is not None and pairing is not None:
+        raise ValueError("give mapping= or pairing=, not both: a zero state planned with pairing= holds torch's "
+                         "names and layouts already, and is saved and loaded as it is")
+    return dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+
+
 def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
     if shard_flat(layout.plan, world_size).fingerprint() != zero.plan_fingerprint:
         raise CheckpointError("the ZeroState was planned with other bucket caps or leaf order than given here: "
-                              "pass the order=, ready_order= and bucket caps you gave hybrid.jax.zero")
+                              "pass the order=, bucket caps, ready_order= and pairing= you gave hybrid.jax.zero")
 
 
 def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=None, world_size: int | None = None,
          stage: int | None = None, optimizer: str | None = None, hyperparameters: dict | None = None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
          metadata: dict | None = None, buffers=None, state: dict | None = None, mapping=None,
-         ready_order=None, timeout_s: float = 60.0) -> Manifest:
+         ready_order=None, pairing=None, timeout_s: float = 60.0) -> Manifest:
     """Save params and optax state as a sharded checkpoint, every rank's file written in parallel.
 
     With a ``hybrid.jax.zero`` state (global arrays, as a jitted ``shard_map`` step returns them)
@@ -130,8 +138,9 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
         :class:`hybrid.jax.ParamShards` of ZeRO stage 3.
       opt_state: the optax state, or None for parameters alone.
       step: the training step to record.
-      order, bucket_cap_bytes, first_bucket_cap_bytes, ready_order: what ``hybrid.jax.zero`` was
-        given (with ``mapping``, a zero state planned with ``pairing=`` is found by its fingerprint).
+      order, bucket_cap_bytes, first_bucket_cap_bytes, ready_order, pairing: what
+        ``hybrid.jax.zero`` was given. With ``pairing`` the plan is over torch's names and layouts,
+        so the checkpoint is too: torch's ``hybrid.checkpoint.torch.load`` reads it as its own.
       world_size: files to write for an unsharded state (a zero state has its own).
       stage, optimizer, hyperparameters, metadata: recorded in the manifest (``optimizer``
         defaults to "adam" for a ScaleByAdamState, "sgd" for a TraceState).
@@ -157,13 +166,13 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
     >>> save(d, params, state, step=0, world_size=2).optimizer.slots
     ('mu', 'nu')
     """
-    caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    caps = _caps(bucket_cap_bytes, first_bucket_cap_bytes, pairing, mapping)
     if mapping is not None:
         view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order, host=True)
         return save(path, view.params, view.state, step=step, order=view.order, world_size=world_size or view.world_size,
                     stage=stage, optimizer=optimizer, hyperparameters=hyperparameters, metadata=metadata,
                     buffers=buffers, state=state, timeout_s=timeout_s, **caps)
-    layout = _layout(params, order, caps, ready_order)
+    layout = _layout(params, order, caps, ready_order, pairing)
     host_params = [to_storage(p) for p in _host_params(params, layout)]
     extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
                   run_state={"state": check_json(dict(state), "state")} if state is not None else {})
@@ -251,7 +260,7 @@ def _from_slices(old, n: int, slices: dict[int, np.ndarray]):
 
 def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-         mapping=None, ready_order=None):
+         mapping=None, ready_order=None, pairing=None):
     """Load a checkpoint (from either frontend, any world size) into the layout of ``params`` and
     ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
 
@@ -265,8 +274,9 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     With ``mapping`` (a ``hybrid.core.ParamMapping`` or ``ParamPairing``) the checkpoint holds
     torch's names and layouts (a torch save, or a JAX save with the same mapping): each tensor is
     placed through the mapping, and one the mapping cannot place is a ``MappingError`` naming it.
-    ``order``, ``ready_order`` and the caps are what ``hybrid.jax.zero`` was given (with
-    ``mapping``, a zero state planned with ``pairing=`` is found by its fingerprint).
+    ``order``, the bucket caps, ``ready_order`` and ``pairing`` are what ``hybrid.jax.zero`` was
+    given (a state planned with ``pairing`` holds torch's names and layouts: it reads a torch
+    checkpoint as it is, without ``mapping``).
 
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> params = {"w": jnp.arange(6.0).reshape(2, 3)}
@@ -275,13 +285,13 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     >>> step, loaded["w"].tolist()
     (3, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
     """
-    caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+    caps = _caps(bucket_cap_bytes, first_bucket_cap_bytes, pairing, mapping)
     if mapping is not None:
         view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order, path=path,
                             host=False)
         loaded_params, loaded_state, step = load(path, view.params, view.state, order=view.order, **caps)
         return (*view.back(params, opt_state, loaded_params, loaded_state), step)
-    layout = _layout(params, order, caps, ready_order)
+    layout = _layout(params, order, caps, ready_order, pairing)
     ckpt = Checkpoint(path)
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()

@@ -1,4 +1,7 @@
-"""The twin model trained by both frontends: the parity tests, the examples and ``python -m hybrid demo``.
+"""The twin models trained by both frontends: the parity tests, the examples and ``python -m hybrid demo``.
+
+The MLP (numpy init, the same function written for each framework) and hybrid.models' GPT pair
+(torch's init, crossed to flax by the declared mapping): ``TrainConfig(gpt=GPTConfig(...))``.
 
 The torch and JAX halves are imported on first use (PEP 562), so a spawned torch worker that
 unpickles ``train_torch`` does not import JAX, and a JAX script does not import torch.
@@ -9,6 +12,10 @@ import importlib
 _WHERE = {
     "TrainConfig": "hybrid.demo._model",
     "TrainResult": "hybrid.demo._model",
+    "batch": "hybrid.demo._model",
+    "initial_params": "hybrid.demo._model",
+    "token_batch": "hybrid.demo._tokens",
+    "gpt_init": "hybrid.demo._tokens",
     "global_batch": "hybrid.demo._model",
     "init_params": "hybrid.demo._model",
     "param_order": "hybrid.demo._model",
@@ -16,6 +23,7 @@ _WHERE = {
     "rank_rows": "hybrid.demo._model",
     "TorchMLP": "hybrid.demo._torch_run",
     "build_torch": "hybrid.demo._torch_run",
+    "torch_module": "hybrid.demo._torch_run",
     "launch_torch": "hybrid.demo._torch_run",
     "pin_torch_numerics": "hybrid.demo._torch_run",
     "spawn_world": "hybrid.demo._torch_run",
@@ -23,7 +31,9 @@ _WHERE = {
     "train_torch": "hybrid.demo._torch_run",
     "train_torch_runs": "hybrid.demo._torch_run",
     "train_torch_steps": "hybrid.demo._torch_run",
+    "JaxModel": "hybrid.demo._jax_run",
     "JaxTraining": "hybrid.demo._jax_run",
+    "jax_model": "hybrid.demo._jax_run",
     "build_jax": "hybrid.demo._jax_run",
     "cross_entropy": "hybrid.demo._jax_run",
     "host_mesh": "hybrid.demo._jax_run",
@@ -48,9 +58,10 @@ def __dir__():
 
 
 __all__ = [
-    "JaxTraining", "TorchMLP", "TrainConfig", "TrainResult",
-    "build_jax", "build_torch", "cross_entropy", "global_batch", "host_mesh", "init_params", "jax_params",
+    "JaxModel", "JaxTraining", "TorchMLP", "TrainConfig", "TrainResult",
+    "batch", "build_jax", "build_torch", "cross_entropy", "global_batch", "gpt_init", "host_mesh", "init_params",
+    "initial_params", "jax_model", "jax_params",
     "launch_torch", "make_optimizer", "mlp_logits", "numpy_params", "param_order", "param_specs", "rank_rows",
-    "pin_jax_numerics", "pin_torch_numerics", "spawn_world", "train_torch_runs",
+    "pin_jax_numerics", "pin_torch_numerics", "spawn_world", "token_batch", "torch_module", "train_torch_runs",
     "torch_model", "train_jax", "train_jax_steps", "train_torch", "train_torch_steps",
 ]

@@ -1,13 +1,19 @@
-"""The twin model trained with hybrid's JAX frontend: ``hybrid.jax.zero`` over a ``shard_map`` mesh.
+"""The twin models trained with hybrid's JAX frontend: ``hybrid.jax.zero`` over a ``shard_map`` mesh.
 
 A run is: build the step and state from numpy arrays (:func:`build_jax`) -> [load state] ->
 :func:`train_jax_steps` -> [save state] -> :class:`~hybrid.demo.TrainResult`; :func:`train_jax`
 does all of it. The mesh is this process's first ``num_devices`` devices, or any mesh with an
 axis ``"dp"`` (one spanning processes after ``jax.distributed.initialize``).
+
+What a run needs of the model is a :class:`JaxModel`: the MLP's here, the GPT's (flax, through
+the declared mapping) in ``_gpt_jax.py``. Either plans its buckets as torch's DDP holds them after
+its first iteration: from the order its backward computes gradients
+(``hybrid.jax.gradient_ready_order``), at the config's caps (torch's default ones by default).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -19,8 +25,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hybrid.jax as hj
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan
 from hybrid.jax._specs import _Layout
-from hybrid.demo._model import TrainConfig, TrainResult, global_batch, init_params, param_order
+from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, param_order
 
 AXIS = "dp"
 Progress = Callable[[int, float], None]
@@ -39,10 +46,14 @@ def jax_params(params: dict[str, np.ndarray]) -> dict:
                         "bias": jnp.asarray(params[f"layers.{i}.bias"])} for i in range(n)]}
 
 
+def host(x) -> np.ndarray:
+    """``x`` as numpy: this process's copy of a replicated array."""
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+
+
 def numpy_params(tree) -> dict[str, np.ndarray]:
     """Back to numpy by name, in registration order (this process's copy of replicated arrays)."""
-    local = lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
-    return {f"layers.{i}.{k}": local(layer[k]) for i, layer in enumerate(tree["layers"]) for k in ("weight", "bias")}
+    return {f"layers.{i}.{k}": host(layer[k]) for i, layer in enumerate(tree["layers"]) for k in ("weight", "bias")}
 
 
 def mlp_logits(params, x):
@@ -65,16 +76,71 @@ def pin_jax_numerics() -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def zero_layout(config: TrainConfig) -> dict:
-    """The ``order`` and bucket caps :func:`make_optimizer` gives ``zero``: also what
-    ``hybrid.checkpoint.jax.save`` / ``load`` need to find the layout of its state."""
-    return dict(order=param_order(config.sizes), bucket_cap_bytes=config.bucket_cap_bytes,
-                first_bucket_cap_bytes=config.bucket_cap_bytes)
+class JaxModel(NamedTuple):
+    """What a run needs of a model on the JAX side.
+
+    ``tree(params)``: the parameter tree from numpy arrays by torch's names; ``named(tree)``: back
+    (this process's copy), by torch's names in registration order; ``loss(tree, x, y)``: the mean
+    cross-entropy of the rows given; ``layout``: how ``hybrid.jax.zero`` plans its buckets
+    (``order``, ``ready_order``, ``pairing`` and the caps), which ``hybrid.checkpoint.jax`` needs too.
+    """
+
+    tree: Callable
+    named: Callable
+    loss: Callable
+    layout: dict
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+def bucket_caps(config: TrainConfig) -> dict:
+    """The config's caps as ``zero`` takes them: torch's defaults (1 MiB first bucket, then 25
+    MiB), or, as torch's DDP does with an explicit ``bucket_cap_mb``, one cap for every bucket.
+
+    >>> bucket_caps(TrainConfig())
+    {'bucket_cap_bytes': 26214400, 'first_bucket_cap_bytes': 1048576}
+    """
+    if config.bucket_cap_bytes is None:
+        return dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES)
+    return dict(bucket_cap_bytes=config.bucket_cap_bytes, first_bucket_cap_bytes=config.bucket_cap_bytes)
+
+
+@functools.lru_cache(maxsize=16)
+def mlp_ready_order(sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The MLP's parameters in the order its JAX backward computes their gradients: torch's
+    autograd makes them ready in the same order (last layer first, a bias before its weight).
+
+    >>> mlp_ready_order((3, 4, 2))
+    ('layers.1.bias', 'layers.1.weight', 'layers.0.bias', 'layers.0.weight')
+    """
+    sds = jax.ShapeDtypeStruct
+    tree = {"layers": [{"weight": sds((n_out, n_in), jnp.float32), "bias": sds((n_out,), jnp.float32)}
+                       for n_in, n_out in zip(sizes, sizes[1:])]}
+    x, y = sds((2, sizes[0]), jnp.float32), sds((2,), jnp.int32)
+    return tuple(hj.gradient_ready_order(cross_entropy, tree, x, y))
+
+
+def jax_model(config: TrainConfig, params: dict[str, np.ndarray] | None = None) -> JaxModel:
+    """The config's model on the JAX side. The GPT's pairs its tree with the torch model's
+    parameters, whose names and registration order ``params`` gives (default
+    :func:`~hybrid.demo.initial_params`, which builds the torch model)."""
+    if config.gpt is not None:
+        from hybrid.demo._gpt_jax import gpt_model
+        return gpt_model(config, initial_params(config) if params is None else params)
+    layout = dict(order=param_order(config.sizes), ready_order=mlp_ready_order(tuple(config.sizes)),
+                  **bucket_caps(config))
+    return JaxModel(jax_params, numpy_params, cross_entropy, layout)
+
+
+def zero_layout(config: TrainConfig, params: dict[str, np.ndarray] | None = None) -> dict:
+    """What :func:`make_optimizer` gives ``zero`` to plan its buckets (``order``, ``ready_order``,
+    ``pairing``, caps): also what ``hybrid.checkpoint.jax.save`` / ``load`` need to find the layout
+    of its state."""
+    return jax_model(config, params).layout
+
+
+def make_optimizer(config: TrainConfig, layout: dict | None = None) -> optax.GradientTransformation:
     """``hybrid.jax.zero`` of optax's adam / adamw (after ``hybrid.jax.clip_by_global_norm``, exact
-    on shards, when ``clip_norm``), with the torch side's caps and registration order.
+    on shards, when ``clip_norm``), planned by ``layout`` (default :func:`zero_layout`): the
+    buckets torch's DDP holds after its rebuild.
 
     >>> from hybrid.demo import TrainConfig
     >>> tx = make_optimizer(TrainConfig(optimizer="adamw", weight_decay=0.1, clip_norm=1.0))
@@ -86,13 +152,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         inner = optax.adamw(config.lr, b1=b1, b2=b2, eps=config.eps, weight_decay=config.weight_decay)
     if config.clip_norm is not None:
         inner = optax.chain(hj.clip_by_global_norm(config.clip_norm, AXIS), inner)
-    return hj.zero(inner, AXIS, stage=config.stage, **zero_layout(config))
-
-
-def plan_fingerprint(config: TrainConfig) -> str:
-    """Fingerprint of the bucket plan ``make_optimizer(config)`` packs and shards by."""
-    tree = jax_params(init_params(config.seed, config.sizes))
-    return _Layout.of(tree, what="plan_fingerprint", **zero_layout(config)).plan.fingerprint()
+    return hj.zero(inner, AXIS, stage=config.stage, **(zero_layout(config) if layout is None else layout))
 
 
 def host_mesh(num_devices: int) -> Mesh:
@@ -112,12 +172,14 @@ def global_array(x, mesh: Mesh, spec: P) -> jax.Array:
 
 class JaxTraining(NamedTuple):
     """A built run: the jitted ``step(params, state, x, y) -> (params, state, loss)``, its current
-    params and optimizer state (global arrays), and the mesh."""
+    params and optimizer state (global arrays), the mesh, the model and the bucket plan."""
 
     step: Callable
     params: dict
     state: object
     mesh: Mesh
+    model: JaxModel
+    plan: BucketPlan
 
 
 def build_jax(config: TrainConfig, mesh: Mesh, params: dict[str, np.ndarray] | None = None) -> JaxTraining:
@@ -126,13 +188,14 @@ def build_jax(config: TrainConfig, mesh: Mesh, params: dict[str, np.ndarray] | N
     ``state`` between this and :func:`train_jax_steps`."""
     pin_jax_numerics()
     if params is None:
-        params = init_params(config.seed, config.sizes)
-    tree = jax_params(params)
-    tx = make_optimizer(config)
+        params = initial_params(config)
+    model = jax_model(config, params)
+    tree = model.tree(params)
+    tx = make_optimizer(config, model.layout)
     specs = hj.state_specs(tx, tree, AXIS, axis_size=mesh.size)
 
     def step(params, state, x, y):
-        grads, loss = hj.local_grad(lambda p: (cross_entropy(p, x, y),) * 2, AXIS, has_aux=True)(params)
+        grads, loss = hj.local_grad(lambda p: (model.loss(p, x, y),) * 2, AXIS, has_aux=True)(params)
         updates, state = tx.update(grads, state, params)
         # The mean of the per-device means: the global loss DDP reports the same way.
         return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, AXIS)
@@ -140,8 +203,9 @@ def build_jax(config: TrainConfig, mesh: Mesh, params: dict[str, np.ndarray] | N
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
     step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
                                  out_specs=(P(), specs, P())), donate_argnums=(0, 1))
+    plan = _Layout.of(tree, what="build_jax", **model.layout).plan
     tree = jax.tree_util.tree_map(lambda x: global_array(x, mesh, P()), tree)
-    return JaxTraining(step, tree, init(tree), mesh)
+    return JaxTraining(step, tree, init(tree), mesh, model, plan)
 
 
 def train_jax_steps(run: JaxTraining, config: TrainConfig, start_step: int, stop_step: int, *,
@@ -149,9 +213,10 @@ def train_jax_steps(run: JaxTraining, config: TrainConfig, start_step: int, stop
     """Steps ``[start_step, stop_step)``: the run with its new params and state, and the losses."""
     params, state, losses = run.params, run.state, []
     for i in range(start_step, stop_step):
-        x, y = global_batch(config.seed, i, config.sizes, config.global_batch_size)
+        # int64 labels and tokens as int32, JAX's default integer width
+        x, y = (a.astype(np.int32) if a.dtype == np.int64 else a for a in batch(config, i))
         params, state, loss = run.step(params, state, global_array(x, run.mesh, P(AXIS)),
-                                       global_array(y.astype(np.int32), run.mesh, P(AXIS)))
+                                       global_array(y, run.mesh, P(AXIS)))
         losses.append(float(loss.addressable_data(0)))
         if progress is not None:
             progress(i, losses[-1])
@@ -163,13 +228,13 @@ def save_checkpoint(path: str, run: JaxTraining, config: TrainConfig, step: int)
     from hybrid.checkpoint import jax as checkpoint
     hyper = dict(lr=config.lr, betas=list(config.betas), eps=config.eps, weight_decay=config.weight_decay)
     return checkpoint.save(path, run.params, run.state, step=step, stage=config.stage, optimizer=config.optimizer,
-                           hyperparameters=hyper, metadata={"config": config.to_json()}, **zero_layout(config))
+                           hyperparameters=hyper, metadata={"config": config.to_json()}, **run.model.layout)
 
 
-def load_checkpoint(path: str, run: JaxTraining, config: TrainConfig) -> tuple[JaxTraining, int]:
+def load_checkpoint(path: str, run: JaxTraining) -> tuple[JaxTraining, int]:
     """``run`` with params and state loaded from a checkpoint (either frontend, any world size)."""
     from hybrid.checkpoint import jax as checkpoint
-    params, state, step = checkpoint.load(path, run.params, run.state, **zero_layout(config))
+    params, state, step = checkpoint.load(path, run.params, run.state, **run.model.layout)
     return run._replace(params=params, state=state), step
 
 
@@ -190,7 +255,7 @@ def train_jax(config: TrainConfig, *, num_devices: int = 2, mesh: Mesh | None = 
     """
     run = build_jax(config, host_mesh(num_devices) if mesh is None else mesh, params)
     if resume is not None:
-        run, start_step = load_checkpoint(resume, run, config)
+        run, start_step = load_checkpoint(resume, run)
     save_at = config.num_steps if save_at is None else save_at
     t0 = time.perf_counter()
     losses = []
@@ -200,4 +265,5 @@ def train_jax(config: TrainConfig, *, num_devices: int = 2, mesh: Mesh | None = 
         if save_to and hi == save_at:
             save_checkpoint(save_to, run, config, save_at)
     seconds = time.perf_counter() - t0
-    return TrainResult(np.concatenate(losses), numpy_params(run.params), plan_fingerprint(config), seconds, start_step)
+    return TrainResult(np.concatenate(losses), run.model.named(run.params), run.plan.fingerprint(), seconds,
+                       start_step, run.plan)

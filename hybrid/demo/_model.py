@@ -1,10 +1,14 @@
-"""The twin model's numpy half: configuration, initial parameters, data and the rows of each rank.
+"""The twin models' numpy half: configuration, initial parameters, data and the rows of each rank.
 
-The torch module (``_torch_run.TorchMLP``) and the JAX function (``_jax_run.mlp_logits``) are one
-MLP written twice: ``Linear -> tanh -> ... -> Linear`` with parameters named as torch's
-``nn.ModuleList`` of ``nn.Linear`` names them (``layers.0.weight`` of shape ``(out, in)``,
-``layers.0.bias``, ...). Both start from the arrays :func:`init_params` returns and read the batches
-:func:`global_batch` makes, so they differ only in how each framework computes.
+Two model pairs train here. The MLP: the torch module (``_torch_run.TorchMLP``) and the JAX
+function (``_jax_run.mlp_logits``) are one MLP written twice, ``Linear -> tanh -> ... -> Linear``
+with parameters named as torch's ``nn.ModuleList`` of ``nn.Linear`` names them
+(``layers.0.weight`` of shape ``(out, in)``, ``layers.0.bias``, ...); both start from the arrays
+:func:`init_params` returns and read the batches :func:`global_batch` makes. The GPT
+(``TrainConfig(gpt=...)``): ``hybrid.models``' torch and flax halves, crossed by their declared
+mapping, on a synthetic token stream (``_tokens.py``). Either way the two frameworks start from
+the same weights and read the same batches (:func:`initial_params`, :func:`batch`), so they
+differ only in how each computes.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from hybrid.core import TensorSpec
+from hybrid.core import BucketPlan, TensorSpec
+from hybrid.models._config import GPTConfig
 
 _CENTER_SCALE = 0.35
 
@@ -32,7 +37,13 @@ class TrainConfig:
       lr, weight_decay, betas, eps: the optimizer's hyper-parameters (``weight_decay`` for adamw).
       stage: ZeRO stage, 1 (torch ``ZeroRedundancyOptimizer``) or 2 (torch ``ZeRO2``).
       clip_norm: clip the reduced gradients to this global norm (``None``: no clipping).
-      bucket_cap_bytes: DDP's bucket cap, used as the first cap too, on both sides.
+      bucket_cap_bytes: ``None`` for torch's default caps (a 1 MiB first bucket, then 25 MiB), or
+        DDP's ``bucket_cap_mb`` in bytes, which torch then takes as the first bucket's cap too; the
+        same on both sides (the JAX side plans from its backward's gradient-ready order, so its
+        buckets are those torch's DDP rebuilds after its first iteration).
+      gpt: train ``hybrid.models``' GPT pair of this config instead of the MLP (``sizes`` is
+        then unused); a row of the batch is ``seq_len`` tokens of a synthetic stream.
+      seq_len: tokens per row for the GPT (at most its ``block_size``).
 
     >>> TrainConfig(stage=3)
     Traceback (most recent call last):
@@ -51,7 +62,9 @@ class TrainConfig:
     eps: float = 1e-8
     stage: int = 1
     clip_norm: float | None = None
-    bucket_cap_bytes: int = 16
+    bucket_cap_bytes: int | None = None
+    gpt: GPTConfig | None = None
+    seq_len: int = 32
 
     def __post_init__(self):
         if len(self.sizes) < 2 or any(int(s) < 1 for s in self.sizes):
@@ -65,15 +78,23 @@ class TrainConfig:
                              f"penalty and optax.adam's lack of one differ)")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm!r}")
-        if self.global_batch_size < 1 or self.num_steps < 0 or self.bucket_cap_bytes < 0:
+        if self.global_batch_size < 1 or self.num_steps < 0 or (self.bucket_cap_bytes or 0) < 0:
             raise ValueError(f"global_batch_size={self.global_batch_size!r}, num_steps={self.num_steps!r} "
                              f"and bucket_cap_bytes={self.bucket_cap_bytes!r} must be non-negative "
                              f"(the batch positive)")
+        if self.gpt is not None and not 1 <= self.seq_len <= self.gpt.block_size:
+            raise ValueError(f"seq_len must be in 1..block_size={self.gpt.block_size}, got {self.seq_len!r}")
 
     def to_json(self) -> dict:
         """The config as JSON-able values (recorded in a checkpoint's manifest)."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
-                for f in dataclasses.fields(self)}
+        def plain(v):
+            return list(v) if isinstance(v, tuple) else dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @property
+    def model(self) -> str:
+        """``"gpt"`` or ``"mlp"``."""
+        return "mlp" if self.gpt is None else "gpt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +103,14 @@ class TrainResult:
     ranks of each rank's mean cross-entropy, before that step's update), ``params`` the final
     parameters by name in registration order, ``plan_fingerprint`` the fingerprint of the bucket
     plan the frontend reduced with (for torch the plan DDP rebuilt after the first iteration),
-    ``seconds`` the training loop's wall time."""
+    ``seconds`` the training loop's wall time, ``plan`` that bucket plan itself."""
 
     losses: np.ndarray
     params: dict[str, np.ndarray]
     plan_fingerprint: str
     seconds: float
     start_step: int = 0
+    plan: BucketPlan | None = None
 
 
 def param_order(sizes) -> list[str]:
@@ -142,6 +164,33 @@ def global_batch(seed: int, step: int, sizes, global_batch_size: int) -> tuple[n
     y = rng.integers(0, num_classes, size=global_batch_size)
     x = centers[y] + rng.normal(size=(global_batch_size, num_in))
     return x.astype(np.float32), y.astype(np.int64)
+
+
+def initial_params(config: TrainConfig) -> dict[str, np.ndarray]:
+    """The weights both frameworks start from, numpy by torch's names in registration order: the
+    MLP's :func:`init_params`, or the GPT's as torch initialises it (``_tokens.gpt_init``).
+
+    >>> list(initial_params(TrainConfig(sizes=(3, 2))))
+    ['layers.0.weight', 'layers.0.bias']
+    """
+    if config.gpt is None:
+        return init_params(config.seed, config.sizes)
+    from hybrid.demo._tokens import gpt_init
+    return gpt_init(config.seed, config.gpt)
+
+
+def batch(config: TrainConfig, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step ``step``'s global batch ``(inputs, targets)`` of the config's model: the MLP's
+    :func:`global_batch`, or the GPT's rows of tokens and their next tokens (``_tokens.token_batch``).
+
+    >>> x, y = batch(TrainConfig(gpt=GPTConfig(vocab_size=16, block_size=8), seq_len=5, global_batch_size=3), 0)
+    >>> x.shape, y.shape, bool((x[:, 1:] == y[:, :-1]).all())
+    ((3, 5), (3, 5), True)
+    """
+    if config.gpt is None:
+        return global_batch(config.seed, step, config.sizes, config.global_batch_size)
+    from hybrid.demo._tokens import token_batch
+    return token_batch(config.seed, step, config.gpt.vocab_size, config.global_batch_size, config.seq_len)
 
 
 def rank_rows(arrays, rank: int, world_size: int):

@@ -1,4 +1,4 @@
-"""The twin model trained with hybrid's torch frontend: DDP + ZeroRedundancyOptimizer or ZeRO2.
+"""The twin models trained with hybrid's torch frontend: DDP + ZeroRedundancyOptimizer or ZeRO2.
 
 A run is: build the module and optimizer from numpy arrays (:func:`build_torch`) -> [load state]
 -> :func:`train_torch_steps` -> [save state] -> :class:`~hybrid.demo.TrainResult`.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.demo._model import TrainConfig, TrainResult, global_batch, init_params, rank_rows
+from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, rank_rows
 from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
 
 Progress = Callable[[int, float], None]  # (step, global loss), called on rank 0 after each step
@@ -56,7 +56,27 @@ def torch_model(params: dict[str, np.ndarray]) -> TorchMLP:
     """
     sizes = [params["layers.0.weight"].shape[1]] + [
         params[f"layers.{i}.weight"].shape[0] for i in range(len(params) // 2)]
-    model = TorchMLP(sizes)
+    return _holding(TorchMLP(sizes), params)
+
+
+def torch_module(config: TrainConfig, params: dict[str, np.ndarray]) -> nn.Module:
+    """The config's torch model holding copies of ``params``: :func:`torch_model` for the MLP,
+    ``hybrid.models.TorchGPT`` (its head tied to the token embedding) for the GPT.
+
+    >>> from hybrid.demo import initial_params
+    >>> from hybrid.models import GPTConfig
+    >>> config = TrainConfig(gpt=GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8), seq_len=8)
+    >>> model = torch_module(config, initial_params(config))
+    >>> model.lm_head.weight is model.wte.weight
+    True
+    """
+    if config.gpt is None:
+        return torch_model(params)
+    from hybrid.models import TorchGPT
+    return _holding(TorchGPT(config.gpt), params)
+
+
+def _holding(model: nn.Module, params: dict[str, np.ndarray]) -> nn.Module:
     own = dict(model.named_parameters())
     if list(own) != list(params):
         raise ValueError(f"params must be named {list(own)} in that order, got {list(params)}")
@@ -68,6 +88,12 @@ def torch_model(params: dict[str, np.ndarray]) -> TorchMLP:
     return model
 
 
+def _loss(config: TrainConfig, ddp, x: np.ndarray, y: np.ndarray) -> torch.Tensor:
+    """The mean cross-entropy of this rank's rows (for the GPT, of every token of them)."""
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    return F.cross_entropy(ddp(x), y) if config.gpt is None else ddp(x, y)[1]
+
+
 def pin_torch_numerics() -> None:
     """No TF32 anywhere, one intra-op thread (2-core machines; also a fixed reduction order)."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -77,12 +103,10 @@ def pin_torch_numerics() -> None:
 
 def build_torch(config: TrainConfig, params: dict[str, np.ndarray] | None = None):
     """``(ddp, optimizer)`` for ``config`` in the current process group, from ``params`` (default
-    :func:`init_params` of the config). Stage 1 is DDP + ``ZeroRedundancyOptimizer``, stage 2
+    :func:`initial_params` of the config). Stage 1 is DDP + ``ZeroRedundancyOptimizer``, stage 2
     ``ZeRO2`` on the DDP; both wrap ``torch.optim.Adam`` / ``AdamW``. A checkpoint's optimizer
     state goes in between this and :func:`train_torch_steps`."""
-    if params is None:
-        params = init_params(config.seed, config.sizes)
-    ddp = DistributedDataParallel(torch_model(params), bucket_cap_mb=config.bucket_cap_bytes / (1 << 20))
+    ddp = torch_ddp(config, initial_params(config) if params is None else params)
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
     kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
     if config.stage == 1:
@@ -92,15 +116,22 @@ def build_torch(config: TrainConfig, params: dict[str, np.ndarray] | None = None
     return ddp, opt
 
 
+def torch_ddp(config: TrainConfig, params: dict[str, np.ndarray]) -> DistributedDataParallel:
+    """hybrid's DDP of the config's model holding ``params``, at the config's bucket caps (torch's
+    defaults for ``bucket_cap_bytes=None``), in the current process group."""
+    cap_mb = None if config.bucket_cap_bytes is None else config.bucket_cap_bytes / (1 << 20)
+    return DistributedDataParallel(torch_module(config, params), bucket_cap_mb=cap_mb)
+
+
 def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step: int, *,
                       progress: Progress | None = None) -> np.ndarray:
     """Steps ``[start_step, stop_step)``; returns their global losses (float64 of float32 values)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in range(start_step, stop_step):
-        x, y = rank_rows(global_batch(config.seed, step, config.sizes, config.global_batch_size), rank, world)
+        x, y = rank_rows(batch(config, step), rank, world)
         opt.zero_grad()
-        loss = F.cross_entropy(ddp(torch.from_numpy(x)), torch.from_numpy(y))
+        loss = _loss(config, ddp, x, y)
         loss.backward()
         if config.clip_norm is not None and config.stage == 2:
             opt.clip_grad_norm_(config.clip_norm)  # ZeRO2 holds gradient slices: one all-reduce of norms
@@ -148,7 +179,8 @@ def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = N
             checkpoint.save(save_to, ddp, opt, step=save_at, metadata={"config": config.to_json()})
     seconds = time.perf_counter() - t0
     final = {n: p.detach().numpy().copy() for n, p in ddp.module.named_parameters()}
-    return TrainResult(np.concatenate(losses), final, ddp.bucket_plan.fingerprint(), seconds, start_step)
+    return TrainResult(np.concatenate(losses), final, ddp.bucket_plan.fingerprint(), seconds, start_step,
+                       ddp.bucket_plan)
 
 
 # ---- a gloo world on this machine -------------------------------------------------------------

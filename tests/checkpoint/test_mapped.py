@@ -195,3 +195,38 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensors(tmp_path):
         ckpt_jax.load(tmp_path / "t", one_layer, mapping=GPT_MAPPING)
     with pytest.raises(TypeError, match="mapping must be a hybrid.core.ParamMapping or ParamPairing, got dict"):
         ckpt_jax.load(tmp_path / "t", _flax_zeros(), mapping={"wte.embedding": "wte.weight"})
+
+
+def test_a_zero_state_planned_over_torchs_names_takes_torchs_checkpoint_as_it_is(tmp_path):
+    """zero(ready_order=, pairing=) plans as torch's DDP does, over torch's names and layouts: its
+    state needs no mapping; save and load take the arguments zero took and cross bit for bit."""
+    model, opt = _torch_run()
+    ckpt_torch.save(tmp_path / "t", model, opt, step=2, world_size=2)
+    params = _flax_zeros()
+    pairing = pair_models(model, params, GPT_MAPPING)
+    idx = jnp.zeros((2, 8), jnp.int32)
+    ready = hj.gradient_ready_order(lambda p: flax_loss(FlaxGPT(CONFIG), p, idx, idx), params)
+    plan = dict(ready_order=ready, pairing=pairing, bucket_cap_bytes=4096, first_bucket_cap_bytes=4096)  # several buckets
+    params, zero, step = ckpt_jax.load(tmp_path / "t", params, _zero_state(params, 3, **plan), **plan)
+    _assert_crossed(pairing, {n: p.detach().numpy() for n, p in model.named_parameters()}, params)
+    layout = hj._specs._Layout.of(params, what="test", order=None, **plan)
+    adam = zero.inner[0]
+    assert step == 2 and int(adam.count) == 2 and len(adam.mu) == len(layout.plan.buckets) > 1
+    for slot, key in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+        # the buckets hold torch's tensors in torch's layouts, under torch's names
+        whole = {layout.plan.specs[i].name: a for b, flat in enumerate(getattr(adam, slot))
+                 for i, a in unpack(layout.plan, b, np.asarray(flat)).items()}
+        expected = _torch_moments(model, opt, key)
+        assert sorted(whole) == sorted(expected) and all(np.array_equal(whole[n], expected[n]) for n in expected), slot
+    manifest = ckpt_jax.save(tmp_path / "z", params, zero, step=2, stage=1, **plan)
+    assert manifest.world_size == 3 and manifest.plan == layout.plan
+    fresh = TorchGPT(CONFIG)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    assert ckpt_torch.load(tmp_path / "z", fresh, fresh_opt) == 2
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for key in ("exp_avg", "exp_avg_sq"):
+        mine, theirs = _torch_moments(model, opt, key), _torch_moments(fresh, fresh_opt, key)
+        assert all(np.array_equal(mine[n], theirs[n]) for n in mine), key
+    with pytest.raises(ValueError, match="give mapping= or pairing=, not both"):
+        ckpt_jax.load(tmp_path / "t", params, zero, mapping=GPT_MAPPING, **plan)

@@ -5,37 +5,100 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+from hybrid import cli
+from hybrid._demo_cli import default_out
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _demo(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def _demo(*args, cwd, env=None):
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("XLA_FLAGS", None)  # the demo asks for the host devices it needs, as from a fresh shell
     return subprocess.run([sys.executable, "-m", "hybrid", "demo", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=170)
 
 
-def test_demo_trains_compares_hands_over_and_plots(tmp_path):
-    proc = _demo("--steps", "8", "--save-at", "5", "--out", "out", cwd=tmp_path)
+def _loss_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) in (4, 6)]
+
+
+def test_the_gpt_pair_trains_at_default_caps_compares_hands_over_and_plots(tmp_path):
+    # The default model, the default output folder: the user's cache, never the folder it runs in.
+    (tmp_path / "clone").mkdir()
+    proc = _demo("--steps", "6", "--save-at", "3", cwd=tmp_path / "clone", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "plan " in out and "flat shard of ranks 0..1" in out
-    assert "Plan fingerprints: torch" in out and "(equal)" in out
-    parity = float(out.split("over all parameters after 8 steps: ")[1].split()[0])
-    assert parity < 1e-4
-    assert "jax, resumed" in out and "resumed at 3 devices" in out
-    # One row per step, the resumed column filled from the checkpoint's step on.
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) in (4, 6)]
-    assert [int(r[0]) for r in rows] == list(range(8)) and [len(r) for r in rows] == [4] * 5 + [6] * 3
-    assert (tmp_path / "out" / "checkpoint" / "manifest.json").exists()
-    png = tmp_path / "out" / "loss_curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"Plot of the loss curves: out/loss_curves.png" in out
+    assert "GPT pair" in out and "470,528 parameters in 28 tensors" in out
+    # torch's default caps: a 1 MiB first bucket of 16 tensors, the rest in a second; equal plans
+    assert "Tensors per bucket: 16 + 12." in out and "(equal)" in out
+    fingerprints = out.split("Plan fingerprints: torch ")[1].split(" (")[0].split(", jax ")
+    assert fingerprints[0] == fingerprints[1]
+    assert float(out.split("max |torch - jax| of the loss ")[1].split()[0]) < 1e-5
+    assert "resumed torch's step-3 checkpoint" in out and "loss max |resumed - torch| " in out
+    rows = _loss_rows(out)
+    assert [int(r[0]) for r in rows] == list(range(6)) and [len(r) for r in rows] == [4] * 3 + [6] * 3
+    assert not any((tmp_path / "clone").iterdir()), "the demo wrote into the folder it ran in"
+    where = tmp_path / "cache" / "hybrid" / "demo" / "gpt"
+    assert (where / "checkpoint" / "manifest.json").exists()
+    png = where / "loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"parity: {png}" in out
     assert "step/s" in proc.stderr  # tqdm's bars
 
 
-def test_demo_refuses_bad_options_clearly(tmp_path):
-    proc = _demo("--world-size", "5", cwd=tmp_path)
-    assert proc.returncode != 0 and "--world-size 5 must be >= 1 and divide --batch-size 48" in proc.stderr
+def test_the_mlp_stays_an_option(tmp_path):
+    # one torch rank and 2 resuming devices: the cheapest world, and not the default sizes
+    proc = _demo("--model", "mlp", "--steps", "4", "--world-size", "1", "--resume-world-size", "2", "--batch-size", "8",
+                 "--out", "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "twin MLP 16-32-32-4" in proc.stdout and "Tensors per bucket: 6." in proc.stdout
+    assert "(equal)" in proc.stdout and [len(r) for r in _loss_rows(proc.stdout)] == [4] * 2 + [6] * 2
+    assert (tmp_path / "out" / "loss_curves.png").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "1"], "argument --steps: must be an integer >= 2, got '1'"),
+    (["--steps", "ten"], "argument --steps: must be an integer >= 2, got 'ten'"),
+    (["--world-size", "0"], "argument --world-size: must be an integer >= 1, got '0'"),
+    (["--resume-world-size", "0"], "argument --resume-world-size: must be an integer >= 1, got '0'"),
+    (["--batch-size", "-4"], "argument --batch-size: must be an integer >= 1, got '-4'"),
+    (["--save-at", "0"], "argument --save-at: must be an integer >= 1, got '0'"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got 'inf'"),
+    (["--lr", "0"], "argument --lr: must be a finite number > 0, got '0'"),
+    (["--lr=-1e-3"], "argument --lr: must be a finite number > 0, got '-1e-3'"),
+    (["--lr", "fast"], "argument --lr: must be a finite number > 0, got 'fast'"),
+    (["--stage", "3"], "argument --stage: invalid choice: 3"),
+    (["--model", "cnn"], "argument --model: invalid choice: 'cnn'"),
+    (["--world-size", "5"], "--world-size 5 must divide --batch-size 12"),
+    (["--resume-world-size", "5"], "--resume-world-size 5 must divide --batch-size 12"),
+    (["--batch-size", "10"], "--resume-world-size 3 must divide --batch-size 10"),  # world size 2 + 1
+    (["--model", "mlp", "--world-size", "5"], "--world-size 5 must divide --batch-size 48"),
+    (["--save-at", "40"], "--save-at must be in 1..39 (a step before --steps 40), got 40"),
+    (["--steps", "4", "--save-at", "7"], "--save-at must be in 1..3 (a step before --steps 4), got 7"),
+])
+def test_every_numeric_option_is_checked_before_anything_runs(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "usage: python -m hybrid demo" in err, err
+
+
+def test_a_bad_option_is_a_usage_error_not_a_traceback(tmp_path):
+    for bad in (["--resume-world-size", "0"], ["--lr", "nan"]):
+        proc = _demo(*bad, cwd=tmp_path)
+        assert proc.returncode == 2 and "error: argument " + bad[0] in proc.stderr and "Traceback" not in proc.stderr
+        assert not any(tmp_path.iterdir())
+
+
+def test_the_default_output_is_the_users_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_out("gpt") == tmp_path / "hybrid" / "demo" / "gpt"
+    for unusable in ("", "relative/cache"):  # XDG: an empty or relative value is ignored
+        monkeypatch.setenv("XDG_CACHE_HOME", unusable)
+        assert default_out("mlp") == pathlib.Path.home() / ".cache" / "hybrid" / "demo" / "mlp"
 
 
 def test_demo_failure_is_a_message_and_exit_1(tmp_path):

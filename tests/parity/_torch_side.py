@@ -1,8 +1,9 @@
 """What the parity tests need from the torch frontend, run on every rank of one spawned gloo world.
 
 ``torch_side`` trains every configuration, then records, for arrays the JAX side can be fed
-exactly, what the torch frontend packs into its buckets and what each ZeRO2 rank keeps. Rank 0
-returns everything (other ranks' records are gathered to it).
+exactly, what the torch frontend packs into its buckets and what each ZeRO2 rank keeps, and which
+parameters torch's own DistributedDataParallel holds in each bucket after its rebuild (the oracle
+of the plan). Rank 0 returns everything (other ranks' records are gathered to it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from hybrid.demo import (TrainConfig, build_torch, global_batch, init_params, rank_rows, torch_model,
                          train_torch_runs)
-from hybrid.torch import DistributedDataParallel
+from hybrid.demo._torch_run import torch_ddp
 
 
 def _rows(config: TrainConfig, step: int):
@@ -50,7 +51,7 @@ def packed_buckets(config: TrainConfig) -> list[list[dict]]:
     hook, so the buffer holds the local gradients exactly (torch's allreduce_hook then divides).
     """
     params = init_params(config.seed, config.sizes)
-    ddp = DistributedDataParallel(torch_model(params), bucket_cap_mb=config.bucket_cap_bytes / (1 << 20))
+    ddp = torch_ddp(config, params)
     captured = {}
 
     def hook(state, bucket):
@@ -91,8 +92,31 @@ def zero2_shards(config: TrainConfig) -> list[dict]:
     return _gathered(record)
 
 
+def torch_ddp_buckets(config: TrainConfig) -> list[list[str]]:
+    """The parameter names of each bucket of torch's own DistributedDataParallel after its
+    rebuild, in bucket order (as a comm hook sees them in the second iteration)."""
+    model = torch_model(init_params(config.seed, config.sizes))
+    names = {id(p): n for n, p in model.named_parameters()}
+    cap_mb = {} if config.bucket_cap_bytes is None else dict(bucket_cap_mb=config.bucket_cap_bytes / (1 << 20))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **cap_mb)
+    seen = {}
+
+    def hook(state, bucket):
+        seen[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
+        return allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    for step in range(2):  # the first iteration observes the ready order, the second runs the rebuilt buckets
+        seen.clear()
+        model.zero_grad(set_to_none=True)
+        x, y = _rows(config, step)
+        F.cross_entropy(ddp(x), y).backward()
+    return [seen[b] for b in sorted(seen)]
+
+
 def torch_side(configs, pack_configs, shard_config, *, progress=None) -> dict:
     del progress
     return dict(results=train_torch_runs(configs),
                 packed=[packed_buckets(c) for c in pack_configs],
+                torch_ddp=[torch_ddp_buckets(c) for c in pack_configs],
                 shards=zero2_shards(shard_config))

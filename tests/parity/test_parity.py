@@ -12,13 +12,14 @@ from growing much. Per step the loss must agree within rtol 1e-5 / atol 1e-6 and
 parameters within rtol 1e-4 / atol 1e-5 (issue 12's figures); measured: losses within 2.7e-6 and
 parameters within 2.6e-6 absolute, a quarter of the tolerance or less.
 
-Buckets. Torch's DDP rebuilds its buckets after the first iteration from the order gradients
-became ready (bias before weight, last layer first), with members in that order; the JAX side
-plans from registration order (``plan_buckets``), members in registration order. The two agree
-exactly when every bucket holds one tensor, so the training caps (16 bytes: below the smallest
-tensor, a 4-element bias) make 6 one-tensor buckets, and the plans, fingerprints and ZeRO shards
-are compared as they are. For buckets of several members (``MULTI``) the torch plan differs;
-there the test packs torch's own plan with the JAX frontend's packing code.
+Buckets, at torch's default caps (a 1 MiB first bucket, then 25 MiB): the whole MLP in one bucket
+of 6 tensors. Torch's DDP rebuilds its buckets after the first iteration from the order gradients
+became ready (bias before weight, last layer first), members in that order; the JAX side plans
+from the order its own backward computes them (``hybrid.jax.gradient_ready_order``, passed to
+``zero`` as ``ready_order``), so the plans, fingerprints, packed buckets and ZeRO shards are
+compared as they are. The oracle of the plan is torch's own DistributedDataParallel (a comm hook
+lists each bucket's parameters). ``MULTI`` (1200-byte caps) checks several buckets of several
+tensors the same way.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import hybrid.jax as hj
-from hybrid.core import BucketPlan, plan_buckets, shard_flat
+from hybrid.core import BucketPlan, shard_flat
 from hybrid.demo import TrainConfig, host_mesh, init_params, jax_params, param_order, train_jax
+from hybrid.demo._jax_run import zero_layout
 from hybrid.demo._torch_run import spawn_world
 from hybrid.jax._copy import pack_bucket
+from hybrid.jax._specs import _Layout
 
 STEPS = 60
 ADAM = TrainConfig(num_steps=STEPS)
@@ -45,7 +48,7 @@ ADAMW = TrainConfig(num_steps=STEPS, optimizer="adamw", weight_decay=0.1)
 # The torch runs: ZeroRedundancyOptimizer (stage 1) and ZeRO2 (stage 2, clipping with ZeRO2.clip_grad_norm_).
 TORCH_RUNS = [ADAM, dataclasses.replace(ADAM, stage=2), ADAMW_CLIP, dataclasses.replace(ADAMW_CLIP, stage=2),
               dataclasses.replace(ADAMW, stage=2), ADAMW]
-MULTI = dataclasses.replace(ADAM, bucket_cap_bytes=1200)  # 2-4 tensors per bucket
+MULTI = dataclasses.replace(ADAM, bucket_cap_bytes=1200)  # 4 + 2 tensors per bucket
 WORLD = 2
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -108,10 +111,8 @@ def test_clipping_is_active(torch_side):
 
 
 def _jax_plan(config: TrainConfig) -> BucketPlan:
-    # The plan hybrid.jax.zero derives: specs by key path in torch's order, the config's caps.
-    tree = jax_params(init_params(config.seed, config.sizes))
-    return plan_buckets(hj.specs(tree, order=param_order(config.sizes)), bucket_cap_bytes=config.bucket_cap_bytes,
-                        first_bucket_cap_bytes=config.bucket_cap_bytes)
+    # The plan hybrid.jax.zero derives from the layout the JAX runs give it (order, ready_order, caps).
+    return _Layout.of(jax_params(init_params(config.seed, config.sizes)), what="test", **zero_layout(config)).plan
 
 
 @pytest.mark.parametrize("config", TORCH_RUNS, ids=lambda c: f"{c.optimizer}-stage{c.stage}-clip{c.clip_norm}")
@@ -119,32 +120,35 @@ def test_plan_fingerprints_equal(config, torch_side):
     """The plan torch's DDP reduced with (rebuilt after iteration one) is the plan hybrid.jax.zero
     packs and shards by: same buckets, members, offsets, limits, fingerprint."""
     plan = _jax_plan(config)
-    assert plan.num_buckets == 6, "the caps are meant to spread the model over several buckets"
+    assert [len(b.members) for b in plan.buckets] == [6], "torch's default caps: the MLP in one bucket"
     assert torch_side["results"][config].plan_fingerprint == plan.fingerprint()
 
 
-def test_multi_member_buckets_follow_ready_order(torch_side):
-    """With several tensors per bucket torch's rebuilt plan is not the JAX plan (see the module
-    docstring): same tensors overall, members in gradient-ready order, not registration order."""
-    torch_plan = BucketPlan.from_json(torch_side["packed"][1][1][0]["plan"])
-    jax_plan = _jax_plan(MULTI)
-    assert max(len(b.members) for b in torch_plan.buckets) > 1
-    assert torch_plan.specs == jax_plan.specs and torch_plan.fingerprint() != jax_plan.fingerprint()
-    ready = [m for b in torch_plan.buckets for m in b.members]
-    assert ready == sorted(ready, reverse=True), "ready order: last registered first"
-    assert all(list(b.members) == sorted(b.members) for b in jax_plan.buckets)
+@pytest.mark.parametrize("config", [ADAM, MULTI], ids=["default caps", "1200-byte caps"])
+def test_plans_are_torchs_own_ddp_buckets(config, torch_side):
+    """torch's own DistributedDataParallel after its rebuild holds, bucket by bucket, the tensors
+    hybrid.jax.zero's plan holds, in the same order: gradient-ready order, bias before weight and
+    the last layer first, which the JAX side reads from its own backward."""
+    torch_buckets = torch_side["torch_ddp"][0 if config is ADAM else 1]
+    plan = _jax_plan(config)
+    assert [[plan.specs[m].name for m in b.members] for b in plan.buckets] == torch_buckets
+    assert [len(b) for b in torch_buckets] == ([6] if config is ADAM else [4, 2])
+    assert [n for b in torch_buckets for n in b] == param_order(config.sizes)[::-1]
+    # and hybrid's torch DDP, which trained above, rebuilt to this very plan
+    hybrid_ddp = BucketPlan.from_json(torch_side["packed"][0 if config is ADAM else 1][1][0]["plan"])
+    assert hybrid_ddp == plan and hybrid_ddp.fingerprint() == plan.fingerprint()
 
 
-@pytest.mark.parametrize("which", ["one tensor per bucket", "several per bucket"])
+@pytest.mark.parametrize("which", ["default caps", "1200-byte caps"])
 @pytest.mark.parametrize("iteration", [0, 1])
 def test_packed_buckets_bitwise_equal(which, iteration, torch_side):
     """Torch DDP's bucket buffers (as a comm hook receives them) == hybrid.jax's pack_bucket of
     the same local gradients under the same plan, bit for bit, every bucket of every rank."""
-    config = ADAM if which == "one tensor per bucket" else MULTI
+    config = ADAM if which == "default caps" else MULTI
     records = torch_side["packed"][0 if config is ADAM else 1][iteration]
     for rank, rec in enumerate(records):
         plan = BucketPlan.from_json(rec["plan"])
-        if iteration == 1 and config is ADAM:
+        if iteration == 1:
             assert plan == _jax_plan(config), "after the rebuild torch's plan is the JAX plan"
         arrays = [jnp.asarray(rec["grads"][s.name]) for s in plan.specs]
         shards = shard_flat(plan, WORLD)
@@ -178,8 +182,7 @@ def test_zero2_shards_bitwise_equal(torch_side):
     plan = BucketPlan.from_json(records[0]["plan"])
     assert plan == _jax_plan(config)
     order = param_order(config.sizes)
-    tx = hj.zero(_capture(), "dp", stage=2, bucket_cap_bytes=config.bucket_cap_bytes,
-                 first_bucket_cap_bytes=config.bucket_cap_bytes, order=order)
+    tx = hj.zero(_capture(), "dp", stage=2, **zero_layout(config))
     params = jax_params(records[0]["params_after"])
     for rec in records[1:]:
         for n, v in rec["params_after"].items():
