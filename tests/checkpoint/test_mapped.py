@@ -96,9 +96,9 @@ def test_a_flax_checkpoint_loads_into_the_torch_model_and_optimizer(tmp_path):
         assert all(np.array_equal(mine[n], theirs[n]) for n in mine), key
 
 
-def _zero_state(params, n):
+def _zero_state(params, n, **plan):
     mesh = Mesh(np.array(jax.devices()[:n]), ("dp",))
-    tx = hj.zero(optax.adam(1e-2), "dp", bucket_cap_bytes=4096, first_bucket_cap_bytes=4096)
+    tx = hj.zero(optax.adam(1e-2), "dp", **(plan or dict(bucket_cap_bytes=4096, first_bucket_cap_bytes=4096)))
     specs = hj.state_specs(tx, params, "dp", axis_size=n)
     return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 

@@ -110,12 +110,11 @@ def _demo_stage3(config, num_devices, save_to, save_at):
     """The demo's twin MLP trained by JAX at stage 3 (its ``build_jax`` runs stages 1 and 2): the
     global loss of every step and the final params, by torch name; a checkpoint after ``save_at``."""
     from hybrid.demo import cross_entropy, global_batch, host_mesh, init_params, jax_params, param_order
-    from hybrid.demo._jax_run import global_array, numpy_params, pin_jax_numerics
+    from hybrid.demo._jax_run import bucket_caps, global_array, numpy_params, pin_jax_numerics
 
     pin_jax_numerics()
     mesh = host_mesh(num_devices)
-    caps = dict(order=param_order(config.sizes), bucket_cap_bytes=config.bucket_cap_bytes,
-                first_bucket_cap_bytes=config.bucket_cap_bytes)
+    caps = dict(order=param_order(config.sizes), **bucket_caps(config))
     shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, "dp", **caps), mesh=mesh, in_specs=P(),
                                    out_specs=P("dp")))(jax_params(init_params(config.seed, config.sizes)))
     tx = hj.zero(optax.adam(config.lr, b1=config.betas[0], b2=config.betas[1], eps=config.eps), "dp", stage=3)
