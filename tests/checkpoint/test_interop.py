@@ -117,7 +117,7 @@ def test_zero_state_needs_its_layout(tmp_path):
     tx = hj.zero(optax.adam(0.1), "dp", **CAPS)
     start, init, _ = _zero_run(2, tx)
     state = init(start)
-    with pytest.raises(CheckpointError, match="pass the order= and bucket caps you gave hybrid.jax.zero"):
+    with pytest.raises(CheckpointError, match="pass the order=, bucket caps, ready_order= and pairing= you gave hybrid.jax.zero"):
         ckpt_jax.save(tmp_path / "c", start, state, step=0)  # default caps: another plan
     ckpt_jax.save(tmp_path / "c", start, state, step=0, **CAPS)
     with pytest.raises(CheckpointError, match=r"holds adam state \['mu', 'nu'\], but the optax state \(TraceState\)"):

@@ -13,15 +13,12 @@ def _eager(ddp, inputs, kwargs):
     return ddp.module(*inputs, **kwargs)
 
 
-_runner = _eager
-
-
-def run_module(ddp, inputs, kwargs):
-    """Run ``ddp.module`` on the inputs through the installed runner."""
-    return _runner(ddp, inputs, kwargs)
+# DDP.forward calls ``_forward.run_module(...)`` itself: a wrapper function here would be one more
+# Python frame for torch.compile to convert in every first step.
+run_module = _eager
 
 
 def install(runner) -> None:
     """Make ``runner(ddp, inputs, kwargs)`` run every DDP's module from now on (once, at import)."""
-    global _runner
-    _runner = runner
+    global run_module
+    run_module = runner
