@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, ParamPairing
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._elementwise import GLOBAL_DECISIONS, NON_ELEMENTWISE, check_exact_on_shards
 from hybrid.jax._elementwise import non_elementwise as _non_elementwise
@@ -67,7 +67,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
          first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES, mean: bool = True,
          order: Sequence[str] | None = None, check_elementwise: bool = True,
          copy_backend: str | None = None, ready_order: Sequence[str] | None = None,
-         pairing: ParamPairing | None = None) -> optax.GradientTransformation:
+         pairing: ParamPairing | None = None, plan: BucketPlan | None = None) -> optax.GradientTransformation:
     """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2).
 
     Gradients (per device, see :func:`hybrid.jax.local_grad`) are packed into the buckets of
@@ -108,6 +108,9 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         unpacked, as for :func:`hybrid.jax.bucketed_all_reduce`.
       ready_order, pairing: plan as torch's DDP holds its buckets after its rebuild, as for
         :func:`hybrid.jax.bucketed_all_reduce`: the slices are then torch's ZeRO2 slices.
+      plan: a :class:`hybrid.core.BucketPlan` to cut as it is (:func:`hybrid.jax.auto_bucket_plan`
+        with ``kind="reduce_scatter", after_step=[("all_gather", 1)]``), as for
+        :func:`hybrid.jax.bucketed_all_reduce`.
 
     >>> import jax, jax.numpy as jnp, numpy as np, optax
     >>> tx = zero(optax.sgd(0.1), "dp", stage=2)
@@ -135,7 +138,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         check_exact_on_shards(inner, axis_name)
 
     def layout_of(tree, what):
-        return _Layout.of(tree, what=what, order=order, ready_order=ready_order, pairing=pairing, **caps)
+        return _Layout.of(tree, what=what, order=order, ready_order=ready_order, pairing=pairing, plan=plan, **caps)
 
     def local_shards(layout, shards, tree, rank, cuda):
         # This device's slice of every bucket of a replicated tree: no communication.

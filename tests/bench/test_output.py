@@ -63,12 +63,16 @@ def _series(base, factor):
 
 def test_ddp_report_aa_is_torch_against_itself():
     times = {"torch": _series(1.0, 1), "hybrid": _series(1.0, 0.9), "torch'": _series(1.0, 1.05),
-             "per_tensor": _series(1.0, 2.7)}
-    out = ddp.report([("mlp_2M", 2101248, 16, times, 2)])
+             "per_tensor": _series(1.0, 2.7), "auto": _series(1.0, 0.72)}
+    out = ddp.report([("mlp_2M", 2101248, 16, times, 2, "3 buckets (2 in place)")])
     [aa] = _aa_rows(out)
     assert (aa["group"], aa["what"], aa["paired"], aa["lo"], aa["hi"]) == ("mlp_2M", "torch'/torch", "1.050", "1.050", "1.050")
     assert re.search(r"mlp_2M\s+hybrid/torch\s+0\.900 .*< 1: hybrid faster", out), out
     assert re.search(r"mlp_2M\s+per_tensor/hybrid\s+3\.000 .*> 1: hybrid faster", out), out
+    # auto caps paired with torch's default caps in the same reducer, and with torch's DDP
+    assert re.search(r"mlp_2M\s+auto/hybrid\s+0\.800 .*< 1: auto faster", out), out
+    assert re.search(r"mlp_2M\s+auto/torch\s+0\.720 .*< 1: auto faster", out), out
+    assert "auto on mlp_2M: 3 buckets (2 in place)" in out
 
 
 def test_zero_report_aa_is_torch_zero1_against_itself():

@@ -51,7 +51,7 @@ def all_plans(specs, order, in_place):
             yield BucketPlan(tuple(specs), tuple(out), (1,))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_auto_plan_is_the_best_plan_of_its_model(data):
     n = data.draw(st.integers(1, 7))
@@ -65,7 +65,8 @@ def test_auto_plan_is_the_best_plan_of_its_model(data):
     copy = CopyCost(data.draw(st.sampled_from([0.0, 1e-10, 1e-9])), data.draw(st.sampled_from([0.0, 2e-5, 3e-4])))
     in_place = data.draw(st.booleans())
     after = data.draw(st.sampled_from([(), (("broadcast", 2),)]))
-    kw = dict(copy=copy, after_step=after, backward_s=ready[-1] + data.draw(st.sampled_from([0.0, 1e-3])))
+    kw = dict(copy=copy, after_step=after, backward_s=ready[-1] + data.draw(st.sampled_from([0.0, 1e-3])),
+              overlap=data.draw(st.sampled_from([1.0, 0.5, 0.0])))
     plan = auto_plan(specs, order, ready, cost, in_place=in_place, **kw)
     got = predict_step(plan, order, ready, cost, **kw).end_s
     best = min(predict_step(p, order, ready, cost, **kw).end_s for p in all_plans(specs, order, in_place))

@@ -13,8 +13,16 @@ The step, as hybrid's reducer runs it (and torch's C++ reducer, whose steps are 
 - the buckets' collectives run in launch order on one stream that may overlap consecutive ones
   (:func:`hybrid.core.cost.stream_ends`: bucket ``k`` ends at ``max(launch_k + seconds(n_k),
   end_{k-1} + gap(n_k))``);
+- a collective hides behind the backward's compute only as far as they do not share an engine:
+  ``overlap`` is the fraction of a collective's time the compute does not feel (1 for NCCL's
+  own engine on a GPU; on a CPU whose cores the ranks fill, gloo's threads and the backward take
+  turns, and ``overlap`` is near 0). Every bucket but the last (launched when the backward ends)
+  delays the backward's thread by ``(1 - overlap)`` of its collective's time;
 - after the backward, each bucket in turn is waited for and copied back into the gradients
-  (another pass, none for an in-place bucket);
+  (another pass, none for an in-place bucket); with ``overlap`` below 1 those copies and the
+  collectives still running take turns too: the step's end is ``overlap`` of the overlapped end
+  and ``1 - overlap`` of the serial one (the last collective's end or the backward's, whichever is
+  later, plus every copy back);
 - optionally, collectives after the step for every bucket (``after_step``: ZeRO-2's parameter
   gathers), a train issued back to back.
 
@@ -90,6 +98,11 @@ def _check_inputs(specs, ready_order, ready_s, backward_s):
     return order, times, end
 
 
+def _check_overlap(overlap) -> None:
+    if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
+        raise ValueError(f"overlap must be a fraction in [0, 1], got {overlap!r}")
+
+
 def _after_cost(cost, after_step, nbytes: float, first: bool) -> float:
     """The after-step collectives of one bucket inside their back-to-back train: each adds its gap;
     the train's first collective costs its whole time."""
@@ -105,7 +118,7 @@ def _after_cost(cost, after_step, nbytes: float, first: bool) -> float:
 
 def predict_step(plan: BucketPlan, ready_order: Sequence[int], ready_s: Sequence[float], cost, *,
                  copy: CopyCost = CopyCost(), kind: str = "all_reduce", after_step: Sequence[tuple[str, int]] = (),
-                 backward_s: float | None = None) -> StepTimeline:
+                 backward_s: float | None = None, overlap: float = 1.0) -> StepTimeline:
     """The reducer's timeline for ``plan`` (see the module docstring).
 
     Args:
@@ -120,6 +133,8 @@ def predict_step(plan: BucketPlan, ready_order: Sequence[int], ready_s: Sequence
         ``nbytes / parts`` each (hybrid's ZeRO-2 on gloo: ``[("broadcast", world)]``; on NCCL
         ``[("all_gather", 1)]``).
       backward_s: when the backward's compute ends (default: the last gradient's ready time).
+      overlap: the fraction of a collective's time that hides behind the backward's compute
+        (1: none of it is felt; 0: all of it delays the backward), measured by the frontend.
 
     >>> from hybrid.core import CostModel, plan_buckets
     >>> model = CostModel.fit([("all_reduce", n, 1e-4 + n * 1e-9) for n in (1 << 10, 1 << 24)], world_size=2)
@@ -128,8 +143,10 @@ def predict_step(plan: BucketPlan, ready_order: Sequence[int], ready_s: Sequence
     1.149
     """
     order, times, compute_end = _check_inputs(plan.specs, ready_order, ready_s, backward_s)
+    _check_overlap(overlap)
     bucket_of = {m: b for b, bucket in enumerate(plan.buckets) for m in bucket.members}
     remaining = [len(b.members) for b in plan.buckets]
+    sizes = [b.nbytes for b in plan.buckets]
     launches: list[float] = []
     delay = 0.0
     for i, t in zip(order, times):
@@ -138,12 +155,16 @@ def predict_step(plan: BucketPlan, ready_order: Sequence[int], ready_s: Sequence
         while len(launches) < len(remaining) and remaining[len(launches)] == 0:
             delay += copy.seconds_per_bucket
             launches.append(t + delay)
-    sizes = [b.nbytes for b in plan.buckets]
+            if len(launches) < len(remaining):  # not the last: its collective runs beside the backward
+                delay += (1 - overlap) * cost.seconds(kind, sizes[len(launches) - 1])
     ends = stream_ends([(at, cost.seconds(kind, n), cost.gap(kind, n)) for at, n in zip(launches, sizes)])
     backward_end = compute_end + delay
-    end = backward_end
+    chain = backward_end
     for b, e in zip(plan.buckets, ends):
-        end = max(end, e) + (0.0 if b.in_place else copy.seconds(b.nbytes))
+        chain = max(chain, e) + (0.0 if b.in_place else copy.seconds(b.nbytes))
+    back = sum(0.0 if b.in_place else copy.seconds(b.nbytes) for b in plan.buckets)
+    serial = max(backward_end, ends[-1]) + back
+    end = overlap * chain + (1 - overlap) * serial
     end += sum(_after_cost(cost, after_step, n, k == 0) for k, n in enumerate(sizes))
     return StepTimeline(tuple(launches), tuple(ends), backward_end, end, end - compute_end)
 
@@ -174,7 +195,7 @@ def atoms(nbytes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compute_end, cum_before):
+def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compute_end, cum_before, overlap):
     """The DP over one (dtype, device) key's tensors ``order`` (ready order, ``times`` theirs):
     returns the buckets as runs ``(start, stop)`` of ``order``. ``cum_before[k]``: bytes of every
     tensor (of any key) ready up to ``order[k]``, for the thread's copy delay.
@@ -182,9 +203,10 @@ def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compu
     A state is a cut of a prefix into buckets, kept while no other cut of the same prefix is at
     least as good in every one of: the last collective's end, the write-back chain (max over
     buckets of its end plus the copies back of it and every later bucket), the copies back so far,
-    and the additive rest (bucket launches, after-step collectives). Launch overheads delay every
-    later event by ``seconds_per_bucket`` each; times are kept net of the launches so far, so the
-    bucket count leaves the state (it lives on in the additive part). A state's value can only
+    and the additive rest (bucket launches, after-step collectives). A bucket delays every later
+    event on the backward's thread (its launch, and the share of its collective the compute
+    feels); times are kept net of those delays so far, so the state does not grow with them (they
+    live on in the additive part). A state's value can only
     grow as buckets are added (``final``), so states already worse than a complete plan found by a
     greedy first pass are dropped, as are buckets whose collective alone ends past it (a bigger
     bucket's ends later still): both exact, and they keep the search fast.
@@ -197,21 +219,24 @@ def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compu
     runs: dict = {}
 
     def run(start, stop):
-        # atoms [start, stop) as one bucket: its collective's end net of launches, gap net of the
-        # launch, copy back, additive part (as a later bucket, and its extra as the first)
+        # atoms [start, stop) as one bucket: its collective's end and its gap net of the delay it
+        # puts on the thread, copy back, additive part (as a later bucket, and its extra as the first)
         key = (start, stop)
         if key not in runs:
             lo, hi = cuts[start][0], cuts[stop - 1][1]
             size = sum(nbytes[lo:hi])
+            t = cost.seconds(kind, size)
+            delay = per_bucket + (1 - overlap) * t if stop < n else per_bucket  # the last runs after the backward
             back = 0.0 if (hi - lo == 1 and in_place) else copy.seconds(size)
             later = _after_cost(cost, after_step, size, False)
-            runs[key] = (times[hi - 1] + copy.seconds(cum_before[hi - 1]) + cost.seconds(kind, size),
-                         cost.gap(kind, size) - per_bucket, back, per_bucket + later,
+            runs[key] = (times[hi - 1] + copy.seconds(cum_before[hi - 1]) + per_bucket + t - delay,
+                         cost.gap(kind, size) - delay, back, delay + later, delay,
                          _after_cost(cost, after_step, size, True) - later)
         return runs[key]
 
     def final(s):
-        return max(backward_end + s[2], s[1]) + s[3]
+        # the step's end (net of the thread's delays, which live in s[3]): overlapped, serial, blended
+        return overlap * max(backward_end + s[2], s[1]) + (1 - overlap) * (max(backward_end, s[0]) + s[2]) + s[3]
 
     def search(bound, width):
         # a state: (end, chain, out, rest, start atom, previous state); end and chain net of launches
@@ -220,12 +245,12 @@ def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compu
         for stop in range(1, n + 1):
             front: list[tuple] = []
             for start in range(stop - 1, -1, -1):
-                alone, gap, back, rest, first = run(start, stop)
+                alone, gap, back, rest, delay, first = run(start, stop)
                 if alone > bound:
                     break
                 for s in fronts[start]:
                     end = max(alone, s[0] + gap)
-                    new = (end, max(s[1] - per_bucket, end) + back, s[2] + back,
+                    new = (end, max(s[1] - delay, end) + back, s[2] + back,
                            s[3] + rest + (first if s[5] is None else 0.0), start, s)
                     if final(new) > bound or any(f[0] <= new[0] and f[1] <= new[1] and f[2] <= new[2]
                                                  and f[3] <= new[3] for f in front):
@@ -247,7 +272,8 @@ def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compu
 
 def auto_plan(specs: Sequence[TensorSpec], ready_order: Sequence[int], ready_s: Sequence[float], cost, *,
               copy: CopyCost = CopyCost(), kind: str = "all_reduce", in_place: bool = True,
-              after_step: Sequence[tuple[str, int]] = (), backward_s: float | None = None) -> BucketPlan:
+              after_step: Sequence[tuple[str, int]] = (), backward_s: float | None = None,
+              overlap: float = 1.0) -> BucketPlan:
     """The bucket plan that minimises :func:`predict_step`'s end of the step.
 
     Buckets are contiguous runs of ``ready_order`` (as DDP's rebuilt buckets are), one dtype and
@@ -283,6 +309,7 @@ def auto_plan(specs: Sequence[TensorSpec], ready_order: Sequence[int], ready_s: 
         if not (isinstance(parts, int) and parts >= 1):
             raise ValueError(f"after_step parts must be ints >= 1, got {parts!r} for {k!r}")
     order, times, compute_end = _check_inputs(specs, ready_order, ready_s, backward_s)
+    _check_overlap(overlap)
     cum, total = [], 0
     for i in order:
         total += specs[i].nbytes
@@ -292,7 +319,7 @@ def auto_plan(specs: Sequence[TensorSpec], ready_order: Sequence[int], ready_s: 
     for key in keys:
         pos = [k for k, i in enumerate(order) if (specs[i].dtype, specs[i].device) == key and not specs[i].sparse]
         cuts = _plan_key(specs, [order[k] for k in pos], [times[k] for k in pos], cost, copy, kind, after_step,
-                         in_place, compute_end, [cum[k] for k in pos])
+                         in_place, compute_end, [cum[k] for k in pos], overlap)
         runs += [(pos[stop - 1], [order[k] for k in pos[start:stop]]) for start, stop in cuts]
     runs += [(k, [i]) for k, i in enumerate(order) if specs[i].sparse]
     runs.sort(key=lambda r: r[0])  # launch order: by when the bucket's last gradient is ready
