@@ -112,7 +112,9 @@ def _auto_summary(ddp) -> str:
     plan, report = ddp.bucket_plan, ddp._auto_report
     predicted = report["predicted_exposed_s"]
     return (f"{plan.num_buckets} buckets ({sum(b.in_place for b in plan.buckets)} in place), predicted exposed "
-            f"{predicted['auto'] * 1e3:.2f} ms vs {predicted['torch default caps'] * 1e3:.2f} ms at torch's caps")
+            f"{predicted['auto'] * 1e3:.2f} ms vs {predicted['torch default caps'] * 1e3:.2f} ms at torch's caps "
+            f"(overlap {report['overlap']:.2f}, a pass over a gradient {report['copy'].seconds_per_byte * 1e12:.0f} "
+            f"ps/byte, a launch {report['copy'].seconds_per_bucket * 1e6:.0f} us)")
 
 
 def main(argv: list[str]) -> int:

@@ -42,8 +42,11 @@ def auto_bucket_plan(params, cost, *, backward_s: float | None = None, ready_ord
     >>> from hybrid.core import CostModel
     >>> model = CostModel.fit([("all_reduce", n, 1e-4 + n * 1e-9) for n in (1 << 10, 1 << 24)], world_size=2)
     >>> params = {"a": jnp.zeros((512, 512)), "b": jnp.zeros(512), "c": jnp.zeros((512, 512))}
-    >>> plan = auto_bucket_plan(params, model, backward_s=0.02, ready_order=["c", "b", "a"])
-    >>> [[plan.specs[m].name for m in b.members] for b in plan.buckets]
+    >>> plan = auto_bucket_plan(params, model, backward_s=0.2, ready_order=["c", "b", "a"])
+    >>> [[plan.specs[m].name for m in b.members] for b in plan.buckets]  # a long backward hides them one by one
+    [['c'], ['b'], ['a']]
+    >>> plan = auto_bucket_plan(params, model, backward_s=0.002, ready_order=["c", "b", "a"])
+    >>> [[plan.specs[m].name for m in b.members] for b in plan.buckets]  # a short one: the last two together
     [['c'], ['b', 'a']]
     """
     if (backward_s is None) == (ready_s is None):

@@ -78,8 +78,12 @@ def test_ddp_report_aa_is_torch_against_itself():
 def test_zero_report_aa_is_torch_zero1_against_itself():
     times = {name: _series(0.06, 1 + i / 100) for i, name in enumerate(zero.ROUND)}
     times["torch_zero1'"] = _series(0.06, 0.98 * 1.01)   # torch_zero1 is the second of the round: 1.01
-    [aa] = _aa_rows(zero.step_report(times))
+    out = zero.step_report(times)
+    [aa] = _aa_rows(out)
     assert (aa["what"], aa["paired"]) == ("torch_zero1'/torch_zero1", "0.980")
+    # auto caps against the same ZeRO at torch's default caps: 1.08 / 1.02 and 1.09 / 1.04
+    assert re.search(r"hybrid_zero1_auto/hybrid_zero1\s+1\.059 ", out), out
+    assert re.search(r"hybrid_zero2_auto/hybrid_zero2\s+1\.048 ", out), out
 
 
 def test_compile_report_aa_is_split_against_itself():

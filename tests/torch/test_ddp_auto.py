@@ -7,12 +7,17 @@ depends on where an element falls in its bucket's chunks, which the buckets chan
 float32 budget (rtol 1.3e-6, atol 1e-6, as tests/torch/test_ddp.py).
 """
 
+import copy
+import re
+
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from hybrid.core import BucketPlan
-from tests._procs import forkserver_ranks
+from hybrid.torch import DistributedDataParallel as HybridDDP
+from tests._procs import forkserver_ranks, free_port
 from tests.torch._workers_auto import measured, train
 
 RTOL, ATOL = 1.3e-6, 1e-6
@@ -74,3 +79,35 @@ def test_zero2_over_auto_caps_steps_as_over_default_caps():
     for r in results:
         for default_params, auto_params in r["params"]:
             _same(default_params, auto_params, 2)
+
+
+@pytest.fixture
+def world_of_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"bucket_cap_mb": "big"}, "bucket_cap_mb must be a number of MB or 'auto', got 'big'"),
+    ({"bucket_cap_mb": "auto", "bucket_cap_mb_list": [1, 2]}, "cannot be combined with bucket_cap_mb_list"),
+    ({"bucket_cap_mb": "auto", "find_unused_parameters": True}, "without find_unused_parameters=True"),
+])
+def test_auto_caps_refuse_what_they_cannot_plan(world_of_one, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        HybridDDP(torch.nn.Linear(3, 2), **kwargs)
+
+
+def test_auto_caps_on_one_rank_reduce_nothing_away(world_of_one):
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    ddp = HybridDDP(copy.deepcopy(local), bucket_cap_mb="auto", static_graph=True)
+    for step in range(3):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        for m in (local, ddp):
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+        for a, b in zip(local.parameters(), ddp.module.parameters()):
+            assert torch.equal(a.grad, b.grad)  # one rank: the scale is 1 and the sum is the gradient
+    assert ddp._auto_report["ready_order"] and ddp.bucket_plan.num_buckets >= 1

@@ -5,14 +5,16 @@ hook (:class:`ReadyClock`). At the rebuild every rank takes part in the same ste
 order (as for any rebuild), each gradient's ready time as the slowest rank saw it (a collective
 cannot start before its last rank arrives), the process group's cost model
 (:func:`hybrid.torch.measure_collectives`, cached per machine), what a pass over a gradient and a
-bucket launch cost the backward's thread here, and how much of a collective hides behind compute
-(the slowest rank's, the least-overlapping rank's). Rank 0 plans, every
-rank receives its plan, and the fingerprints are compared as for any rebuilt plan.
+bucket launch cost the backward's thread (measured, the slowest rank's), and how much of a
+collective hides behind compute (:func:`_overlap`, from the cores; the least of the ranks').
+Rank 0 plans, every rank receives its plan, and the fingerprints are compared as for any rebuild.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import platform
 import statistics
 import time
 
@@ -119,44 +121,24 @@ def _copy_cost(ddp, nbytes: int) -> CopyCost:
     return CopyCost(statistics.median(passes[1:]) / (2 * numel * src.element_size()), statistics.median(launches))
 
 
-def _overlap(ddp, nbytes: int) -> float:
-    """This rank's fraction of a collective's time that hides behind compute: an all-reduce of a
-    bucket's size alone, matrix products of about its duration alone, then both at once (the
-    all-reduce issued first, the products meanwhile), medians of three; 1 when both at once take
-    as long as the longer alone, 0 when they take the two added up."""
-    buf = torch.zeros(max(1024, min(int(nbytes), 16 << 20) // 4), device=ddp.device)
-    a = torch.randn(128, 512, device=ddp.device)
-    w = torch.randn(512, 512, device=ddp.device)
-    sync = torch.cuda.synchronize if ddp.device.type == "cuda" else (lambda: None)
+def _overlap(ddp) -> float:
+    """How much of a collective's time the backward does not feel, from what runs where.
 
-    def timed(fn) -> float:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t0
-
-    def reduce():
-        dist.all_reduce(buf, group=ddp.process_group)
-
-    reduce()  # warm-up
-    alone = statistics.median(timed(reduce) for _ in range(3))
-    one = statistics.median(timed(lambda: torch.mm(a, w)) for _ in range(3))
-    count = max(1, round(alone / max(one, 1e-7)))
-
-    def compute():
-        for _ in range(count):
-            torch.mm(a, w)
-
-    def both():
-        work = dist.all_reduce(buf, group=ddp.process_group, async_op=True)
-        compute()
-        work.wait()
-
-    busy = statistics.median(timed(compute) for _ in range(3))
-    together = statistics.median(timed(both) for _ in range(3))
-    hidden = (alone + busy - together) / max(min(alone, busy), 1e-9)
-    return min(1.0, max(0.0, hidden))
+    On a GPU, NCCL's kernels run beside the backward's on their own SMs: 1. On CPUs, gloo's
+    threads need cores of their own: with the ranks on this host each running
+    ``torch.get_num_threads()`` compute threads, what is left of this process's cores, per rank,
+    is the share of a collective that runs beside the backward; a collective that finds no spare
+    core takes turns with the compute (0). A model, not a measurement: timing compute against a
+    collective on a busy machine gave anything from 0 to 1 for the same setting (issue 25's notes
+    in docs/torch.md), while the arithmetic of cores matches what the steps show.
+    """
+    if ddp.device.type == "cuda":
+        return 1.0
+    hosts = [None] * ddp._world
+    dist.all_gather_object(hosts, platform.node(), group=ddp.process_group)
+    local = hosts.count(platform.node())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(1.0, max(0.0, (cores - local * torch.get_num_threads()) / local))
 
 
 def _slowest(values: list[float], ddp) -> list[float]:
@@ -179,8 +161,7 @@ def plan_auto(ddp, order: list[int]) -> BucketPlan:
         seen = _slowest(ddp._last_ready_s or [math.nan] * n, ddp)
         copy = _copy_cost(ddp, total)
         # the slowest rank's costs; the least overlap (its 1 - overlap is the largest)
-        per_byte, per_bucket, felt = _slowest([copy.seconds_per_byte, copy.seconds_per_bucket,
-                                               1 - _overlap(ddp, total // 4)], ddp)
+        per_byte, per_bucket, felt = _slowest([copy.seconds_per_byte, copy.seconds_per_bucket, 1 - _overlap(ddp)], ddp)
         model = measure_collectives(ddp.process_group, sizes=probe_sizes(total), kinds=kinds)
     copy, overlap = CopyCost(per_byte, per_bucket), 1 - felt
     latest = max((t for t in seen if not math.isnan(t)), default=0.0)
