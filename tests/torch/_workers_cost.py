@@ -81,7 +81,7 @@ def measure_and_compare(world, rounds, rank, port, out):
         work = {name: ([torch.ones(n // 4) for n in red], [torch.ones(n // 4) for n in bc])
                 for name, (red, bc) in steps(world).items()}
         reps = {name: step_repeats(*steps(world)[name]) for name in work}
-        probe_rounds, measured = [], {name: [] for name in work}
+        probe_rounds, measured = [], {name: [] for name in work}  # measured: per round, its times
         for r in range(rounds + 1):  # round 0 warms up (connections, allocations)
             probe = prober.round()
             mine = [_time_step(*work[name], world) for name in work for _ in range(reps[name])]
@@ -90,12 +90,21 @@ def measure_and_compare(world, rounds, rank, port, out):
                 probe_rounds.append(slowest[:len(probe)])
                 it = iter(slowest[len(probe):])
                 for name in work:
-                    measured[name] += [next(it) for _ in range(reps[name])]
-        samples, trains = prober.samples(probe_rounds)
-        model = CostModel.fit(samples, trains=trains, world_size=world, about={"backend": "gloo"})
-        rows = {name: (predict(model, *steps(world)[name]), statistics.median(measured[name]))
+                    measured[name].append([next(it) for _ in range(reps[name])])
+
+        def fitted(rounds_):
+            samples, trains = prober.samples(rounds_)
+            return CostModel.fit(samples, trains=trains, world_size=world, about={"backend": "gloo"})
+
+        model = fitted(probe_rounds)
+        per_round = [fitted([p]) for p in probe_rounds]
+        rows = {name: {"predicted": predict(model, *steps(world)[name]),
+                       "measured": statistics.median(t for ts in measured[name] for t in ts),
+                       # each round's model against the same round's steps: the load of the moment cancels
+                       "rounds": [predict(m, *steps(world)[name]) / statistics.median(ts)
+                                  for m, ts in zip(per_round, measured[name])]}
                 for name in work}
-        out.put((rank, {"rows": rows, "model": model.to_json(), "raw": (samples, trains, measured)}, 0.0))
+        out.put((rank, {"rows": rows, "model": model.to_json()}, 0.0))
         dist.destroy_process_group()
     except BaseException as e:  # report instead of hanging the test
         out.put((rank, repr(e), 0.0))
