@@ -66,12 +66,10 @@ class ReadyClock:
             torch.cuda.synchronize()
         out, own, first = [math.nan] * self._n, 0.0, None
         for index, entered, left in self._marks:
+            first = entered if first is None else first
             if self._cuda:
-                first = first or entered
-                at = first.elapsed_time(entered) / 1e3
-                spent = entered.elapsed_time(left) / 1e3
+                at, spent = first.elapsed_time(entered) / 1e3, entered.elapsed_time(left) / 1e3
             else:
-                first = entered if first is None else first
                 at, spent = entered - first, left - entered
             out[index] = at - own
             own += spent
