@@ -6,12 +6,16 @@ interleaved A, B, C, A, B, C, ... so drift hits all of them alike:
 
 - ``torch``:      torch.nn.parallel.DistributedDataParallel (the C++ reducer);
 - ``hybrid``:     hybrid.torch.DistributedDataParallel (buckets from hybrid.core, Python hooks);
+- ``auto``:       the same with ``bucket_cap_mb="auto"``: buckets planned from the measured cost
+  model and the first iteration's gradient times (hybrid.core.auto_plan), paired with ``hybrid``
+  (torch's default caps, same reducer) and with ``torch``;
 - ``per_tensor``: the plain module, then one blocking ``all_reduce`` per gradient (no buckets).
 
 torch's step is timed a second time in every repetition (``torch'``, right after hybrid's), for the
 A/A row: the same path against itself, what noise alone does to a ratio. Medians over ``--reps``
 repetitions (after warm-up, which includes hybrid's bucket rebuild) are printed, then the ratios
-hybrid/torch and per_tensor/hybrid with the A/A row and a legend (``hybrid.bench._stats``).
+hybrid/torch, auto/hybrid, auto/torch and per_tensor/hybrid with the A/A row and a legend
+(``hybrid.bench._stats``); under the medians, the auto plan and what its model predicted.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def _worker(rank, world, port, outdir, quick, reps):
         variants = {}
         variants["torch"] = torch.nn.parallel.DistributedDataParallel(build())
         variants["hybrid"] = HybridDDP(build())
+        variants["auto"] = HybridDDP(build(), bucket_cap_mb="auto")
         plain = build()
 
         def per_tensor_step(m=plain):
@@ -94,11 +99,22 @@ def _worker(rank, world, port, outdir, quick, reps):
                     times[k].append(dt)
         n_params = sum(p.numel() for p in plain.parameters())
         n_tensors = len(list(plain.parameters()))
-        rows.append((name, n_params, n_tensors, times, variants["hybrid"].bucket_plan.num_buckets))
+        rows.append((name, n_params, n_tensors, times, variants["hybrid"].bucket_plan.num_buckets,
+                     _auto_summary(variants["auto"])))
     if rank == 0:
         torch.save(rows, os.path.join(outdir, "rows.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _auto_summary(ddp) -> str:
+    """The auto plan in one line: its buckets, how many skip the copy, and what its model predicted."""
+    plan, report = ddp.bucket_plan, ddp._auto_report
+    predicted = report["predicted_exposed_s"]
+    return (f"{plan.num_buckets} buckets ({sum(b.in_place for b in plan.buckets)} in place), predicted exposed "
+            f"{predicted['auto'] * 1e3:.2f} ms vs {predicted['torch default caps'] * 1e3:.2f} ms at torch's caps "
+            f"(overlap {report['overlap']:.2f}, a pass over a gradient {report['copy'].seconds_per_byte * 1e12:.0f} "
+            f"ps/byte, a launch {report['copy'].seconds_per_bucket * 1e6:.0f} us)")
 
 
 def main(argv: list[str]) -> int:
@@ -119,12 +135,16 @@ def main(argv: list[str]) -> int:
 
 
 def report(rows) -> str:
-    """The table of medians and the ratio table of ``rows``: ``(model, params, tensors, times, buckets)``."""
-    med = [[name, n, k, nb, *(round(statistics.median(t[v]) * 1e3, 2) for v in ("torch", "hybrid", "per_tensor"))]
-           for name, n, k, t, nb in rows]
+    """The table of medians and the ratio table of ``rows``: ``(model, params, tensors, times, buckets, auto)``."""
+    variants = ("torch", "hybrid", "auto", "per_tensor")
+    med = [[name, n, k, nb, *(round(statistics.median(t[v]) * 1e3, 2) for v in variants)]
+           for name, n, k, t, nb, _ in rows]
     groups = {name: ([Ratio("hybrid", "torch", t["hybrid"], t["torch"]),
+                      Ratio("auto", "hybrid", t["auto"], t["hybrid"]),
+                      Ratio("auto", "torch", t["auto"], t["torch"]),
                       Ratio("per_tensor", "hybrid", t["per_tensor"], t["hybrid"], better=">")],
                      Ratio("torch'", "torch", t["torch'"], t["torch"]))
-              for name, _, _, t, _ in rows}
-    return "\n".join([format_table(["model", "params", "tensors", "buckets", "torch ms", "hybrid ms", "per-tensor ms"],
-                                    med), "", ratio_table(groups, group="model")])
+              for name, _, _, t, _, _ in rows}
+    auto = [f"auto on {name}: {summary}" for name, *_, summary in rows]
+    return "\n".join([format_table(["model", "params", "tensors", "buckets", *(f"{v} ms" for v in variants)], med),
+                      *auto, "", ratio_table(groups, group="model")])

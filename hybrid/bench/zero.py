@@ -13,7 +13,9 @@ so drift hits all of them alike:
 - ``hybrid_overlap`` / ``hybrid_overlap_interleaved``: hybrid DDP + ZeroRedundancyOptimizer(Adam,
   overlap_with_ddp=True) stepped inside backward by ``hook_with_zero_step`` / ``_interleaved``
   (torch's own refuse gloo, so they have no torch counterpart here); ``hybrid_overlap_shard``
-  is ``hook_with_zero_step(..., shard_buckets=True)``.
+  is ``hook_with_zero_step(..., shard_buckets=True)``;
+- ``hybrid_zero1_auto`` / ``hybrid_zero2_auto``: ``hybrid_zero1`` / ``hybrid_zero2`` over a DDP
+  with ``bucket_cap_mb="auto"``, each also paired with its default-caps twin.
 
 Memory is counted from the live tensors of rank 0 and rank 1 (the larger is printed): optimizer
 state is every tensor in the optimizer's state; gradients are what a rank keeps for the optimizer
@@ -45,7 +47,8 @@ from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 WORLD_SIZE = 2
 VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_shard",
-            "hybrid_overlap_interleaved")
+            "hybrid_overlap_interleaved", "hybrid_zero1_auto", "hybrid_zero2_auto")
+AUTO = {"hybrid_zero1_auto": "hybrid_zero1", "hybrid_zero2_auto": "hybrid_zero2"}  # auto caps -> torch's caps
 REFERENCE = "torch_zero1"
 # The order of a round: the reference again right after hybrid_zero1, as hybrid_zero1 follows it.
 ROUND = (*VARIANTS[:3], REFERENCE + "'", *VARIANTS[3:])
@@ -101,11 +104,12 @@ def _build(name: str, widths: tuple[int, ...]):
     if name == "torch_zero1":
         ddp = TorchDDP(model)
         return model, ddp, TorchZero(model.parameters(), torch.optim.Adam, lr=lr)
-    if name == "hybrid_zero1":
-        ddp = DistributedDataParallel(model)
+    caps = {"bucket_cap_mb": "auto"} if name in AUTO else {}
+    if name in ("hybrid_zero1", "hybrid_zero1_auto"):
+        ddp = DistributedDataParallel(model, **caps)
         return model, ddp, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=lr)
-    if name == "hybrid_zero2":
-        ddp = DistributedDataParallel(model)
+    if name in ("hybrid_zero2", "hybrid_zero2_auto"):
+        ddp = DistributedDataParallel(model, **caps)
         return model, ddp, ZeRO2(ddp, torch.optim.Adam, lr=lr)
     if name in ("hybrid_overlap", "hybrid_overlap_shard", "hybrid_overlap_interleaved"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -152,7 +156,9 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
     greedy = runs["hybrid_zero1"][2].partition.numel_per_rank()
     result = {"rank": rank, "memory": memory, "times": times,
               "numel": sum(numels), "num_tensors": len(numels), "greedy_numel_per_rank": greedy,
-              "zero2_buckets": runs["hybrid_zero2"][1].bucket_plan.num_buckets}
+              "zero2_buckets": runs["hybrid_zero2"][1].bucket_plan.num_buckets,
+              "auto_plans": {name: [len(b.members) if not b.in_place else "1 in place" for b in
+                                    runs[name][1].bucket_plan.buckets] for name in AUTO}}
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -180,7 +186,8 @@ def main(argv: list[str]) -> int:
     r0 = results[0]
     n = r0["numel"]
     print(f"MLP {'-'.join(map(str, widths))}: {n} parameters in {r0['num_tensors']} tensors (float32), "
-          f"Adam, world size {WORLD_SIZE}, gloo; ZeRO-2 over {r0['zero2_buckets']} DDP buckets")
+          f"Adam, world size {WORLD_SIZE}, gloo; ZeRO-2 over {r0['zero2_buckets']} DDP buckets; auto caps, "
+          f"tensors per bucket: {r0['auto_plans']}")
 
     print("\nmemory per rank (the larger of the ranks) / unsharded (ddp_adam)")
     ref_state = max(r["memory"]["ddp_adam"][0] for r in results)
@@ -209,6 +216,7 @@ def step_report(times: dict) -> str:
     med = {name: statistics.median(t) for name, t in times.items()}
     rows = [[name, round(med[name] * 1e3, 2), round(med[name] / med["ddp_adam"], 3)] for name in VARIANTS]
     ratios = [Ratio(name, REFERENCE, times[name], times[REFERENCE]) for name in VARIANTS if name != REFERENCE]
+    ratios += [Ratio(name, default, times[name], times[default]) for name, default in AUTO.items()]
     same = Ratio(REFERENCE + "'", REFERENCE, times[REFERENCE + "'"], times[REFERENCE])
     return "\n".join([format_table(["variant", "ms", "/ ddp_adam (medians)"], rows), "",
                       ratio_table({"step": (ratios, same)})])

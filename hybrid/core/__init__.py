@@ -12,8 +12,9 @@ from hybrid.core._buckets import (
     plan_buckets,
     rebuild_plan,
 )
-from hybrid.core.cost import (COLLECTIVES, NETWORKS, STAGES, CostModel, Fit, Link, StepCost, collective_seconds,
-                              exposed_seconds, step_cost, wire_bytes)
+from hybrid.core.cost import (COLLECTIVES, NETWORKS, STAGES, CopyCost, CostModel, Fit, Link, StepCost, StepTimeline,
+                              auto_plan, collective_seconds, exposed_seconds, predict_step, ready_times_by_elements,
+                              step_cost, stream_ends, wire_bytes)
 from hybrid.core._dtypes import canonical_dtype, itemsize
 from hybrid.core.mapping import FLAX_RULES, Layout, MappingError, Pair, ParamMapping, ParamPairing, Rule
 from hybrid.core._graph_split import GraphSplitPlan, merge_piece, plan_graph_split, split_size_limits
@@ -37,7 +38,8 @@ from hybrid.core._zero3 import Zero3Memory, forward_order, gather_windows, zero3
 __all__ = [
     "COLLECTIVES", "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "FLAX_RULES", "MiB", "NETWORKS",
     "STAGES", "CostModel", "Fit", "Layout", "Link", "MappingError", "Pair", "ParamMapping", "ParamPairing", "Rule",
-    "StepCost", "collective_seconds", "exposed_seconds", "step_cost", "wire_bytes",
+    "CopyCost", "StepCost", "StepTimeline", "auto_plan", "collective_seconds", "exposed_seconds", "predict_step",
+    "ready_times_by_elements", "step_cost", "stream_ends", "wire_bytes",
     "Bucket", "BucketAssignment", "BucketPlan", "BucketSubset", "FlatShardPlan", "GraphSplitPlan", "GroupRun", "MemberSlice",
     "OPTIMIZER_STATE_COPIES", "ParamPartition", "ReducerState", "ReshardPlan", "ShardCopy", "TensorSpec", "ZeroMemory",
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",

@@ -24,7 +24,9 @@ class Bucket:
     ``members[k]`` is an index into the plan's specs; its elements occupy
     ``[offsets[k], offsets[k] + numels[k])`` of the buffer. ``length`` is the buffer's length in
     elements, padding included. ``size_limit`` is the byte cap the bucket was built under
-    (0 for a sparse tensor's own bucket).
+    (0 for a sparse tensor's own bucket). ``in_place``: a one-tensor bucket reduced where the
+    gradient lies, with no flat buffer and no copy in or out (only :func:`hybrid.core.auto_plan`
+    chooses it; its JSON carries the key only when set, so other plans' fingerprints are unchanged).
     """
 
     dtype: str
@@ -35,6 +37,7 @@ class Bucket:
     length: int
     size_limit: int
     sparse: bool = False
+    in_place: bool = False
 
     def __post_init__(self):
         if not (len(self.members) == len(self.offsets) == len(self.numels)) or not self.members:
@@ -46,20 +49,25 @@ class Bucket:
             end = o + n
         if self.length < end:
             raise ValueError(f"bucket length {self.length} is shorter than its members' extent {end}")
+        if self.in_place and (len(self.members) != 1 or self.sparse or self.length != self.numels[0]):
+            raise ValueError(f"an in-place bucket holds one dense tensor, unpadded, got {self!r}")
 
     @property
     def nbytes(self) -> int:
         return self.length * itemsize(self.dtype)
 
     def to_json(self) -> dict:
-        return {"dtype": self.dtype, "device": self.device, "members": list(self.members),
-                "offsets": list(self.offsets), "numels": list(self.numels), "length": self.length,
-                "size_limit": self.size_limit, "sparse": self.sparse}
+        d = {"dtype": self.dtype, "device": self.device, "members": list(self.members),
+             "offsets": list(self.offsets), "numels": list(self.numels), "length": self.length,
+             "size_limit": self.size_limit, "sparse": self.sparse}
+        if self.in_place:
+            d["in_place"] = True
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Bucket":
         return cls(d["dtype"], d["device"], tuple(d["members"]), tuple(d["offsets"]),
-                   tuple(d["numels"]), d["length"], d["size_limit"], d.get("sparse", False))
+                   tuple(d["numels"]), d["length"], d["size_limit"], d.get("sparse", False), d.get("in_place", False))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

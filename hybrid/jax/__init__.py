@@ -1,6 +1,7 @@
 """JAX frontend: data parallelism and ZeRO sharding as optax transforms over hybrid.core plans."""
 
 from hybrid.jax._all_reduce import BucketedAllReduceState, bucketed_all_reduce
+from hybrid.jax._auto import auto_bucket_plan
 from hybrid.jax._clip import clip_by_global_norm
 from hybrid.jax._cost_probe import measure_collectives
 from hybrid.jax._finite import apply_if_finite
@@ -13,6 +14,7 @@ from hybrid.jax.sharded._zero import NON_ELEMENTWISE, ZeroState, zero
 
 __all__ = [
     "NON_ELEMENTWISE", "BucketedAllReduceState", "ParamShards", "ZeroState",
-    "apply_if_finite", "bucketed_all_reduce", "clip_by_global_norm", "gather_params", "gathered", "gradient_ready_order",
-    "key_path_name", "local_grad", "measure_collectives", "shard_params", "specs", "state_specs", "unshard_params", "zero",
+    "apply_if_finite", "auto_bucket_plan", "bucketed_all_reduce", "clip_by_global_norm", "gather_params", "gathered",
+    "gradient_ready_order", "key_path_name", "local_grad", "measure_collectives", "shard_params", "specs",
+    "state_specs", "unshard_params", "zero",
 ]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, ParamPairing
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device, tracks_varying
 
@@ -43,7 +43,8 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
                         mean: bool = True, order: Sequence[str] | None = None,
                         copy_backend: str | None = None,
                         persistent_buckets: bool = True, ready_order: Sequence[str] | None = None,
-                        pairing: ParamPairing | None = None) -> optax.GradientTransformation:
+                        pairing: ParamPairing | None = None, plan: BucketPlan | None = None
+                        ) -> optax.GradientTransformation:
     """Sum (or average) per-device gradients over ``axis_name``, one collective per bucket.
 
     Gradients are packed into the flat buckets of ``hybrid.core.plan_buckets`` (the same buckets
@@ -73,6 +74,9 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
         gradient-sized buffer per device between steps. The buffers differ per device: under
         ``shard_map`` take the state's specs from :func:`hybrid.jax.state_specs`. ``False``:
         ``optax.EmptyState``, buckets are concatenated afresh every step.
+      plan: a :class:`hybrid.core.BucketPlan` to use as it is, over the tree's specs (in ``order``
+        or the pairing's names): :func:`hybrid.jax.auto_bucket_plan`'s buckets chosen from a cost
+        model, say, or a plan a torch run used. The caps and ``ready_order`` are then unused.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> tx = bucketed_all_reduce("dp")
@@ -86,7 +90,8 @@ def bucketed_all_reduce(axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP
 
     def layout_of(tree, what):
         return _Layout.of(tree, what=what, order=order, bucket_cap_bytes=bucket_cap_bytes,
-                          first_bucket_cap_bytes=first_bucket_cap_bytes, ready_order=ready_order, pairing=pairing)
+                          first_bucket_cap_bytes=first_bucket_cap_bytes, ready_order=ready_order, pairing=pairing,
+                          plan=plan)
 
     def init_fn(params):
         if not persistent_buckets:

@@ -106,7 +106,7 @@ class _Layout:
 
     @classmethod
     def of(cls, tree, *, what: str, order, bucket_cap_bytes: int, first_bucket_cap_bytes: int,
-           ready_order=None, pairing: ParamPairing | None = None) -> "_Layout":
+           ready_order=None, pairing: ParamPairing | None = None, plan: BucketPlan | None = None) -> "_Layout":
         names, leaves, treedef = _leaves(tree)
         if not leaves:
             raise ValueError(f"{what}: the tree has no leaves, nothing to bucket")
@@ -131,6 +131,8 @@ class _Layout:
             tree_specs = tuple(TensorSpec(p.torch, p.torch_shape, canonical_dtype(np.dtype(leaves[i].dtype)))
                                for p, i in zip(pairing.pairs, perm))
             layouts = tuple((p.layout, p.jax_shape) for p in pairing.pairs)
+        if plan is not None:
+            return cls(_given(plan, tree_specs, ready_order, what), tuple(perm), treedef, layouts)
         plan = plan_buckets(tree_specs, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
         if ready_order is not None:
             plan = _rebuilt(plan, ready_order, pairing, what)
@@ -158,6 +160,21 @@ class _Layout:
 
     def shards(self, world_size: int) -> FlatShardPlan:
         return shard_flat(self.plan, world_size)
+
+
+def _given(plan: BucketPlan, tree_specs, ready_order, what: str) -> BucketPlan:
+    """A plan given whole (``plan=``, e.g. :func:`hybrid.jax.auto_bucket_plan`'s), checked against the tree."""
+    if not isinstance(plan, BucketPlan):
+        raise TypeError(f"{what}: plan must be a hybrid.core.BucketPlan, got {type(plan).__name__}")
+    if ready_order is not None:
+        raise ValueError(f"{what}: give plan or ready_order, not both (the plan's buckets are in their order already)")
+    if tuple(plan.specs) != tuple(tree_specs):
+        theirs = {s.name: s for s in plan.specs}
+        diff = [(s.name, theirs.get(s.name)) for s in tree_specs if theirs.get(s.name) != s][:3]
+        raise ValueError(f"{what}: the plan is over other tensors than the tree's (first differences, tree spec "
+                         f"vs plan spec: {[(s, t) for s, t in diff] or 'the order'}); plan with the same tree, order "
+                         f"and pairing")
+    return plan
 
 
 def _rebuilt(plan: BucketPlan, ready_order, pairing: ParamPairing | None, what: str) -> BucketPlan:

@@ -1,8 +1,8 @@
 """Measure the collectives of a torch process group into a :class:`hybrid.core.CostModel`.
 
-Every rank runs the same collectives at the same sizes; each time is the median of a few
-repetitions, the slowest rank's median counts (a collective ends when its last rank does), and
-rank 0 fits the lines and hands the same model to everyone, so every rank plans alike. The model
+Every rank runs the same collectives at the same sizes, alone and in back-to-back trains (what
+DDP's buckets are); each round's slowest rank counts (a collective ends when its last rank does)
+and every rank fits the same medians, so every rank plans alike. The model
 is cached per machine (``$HYBRID_CACHE_DIR``, default ``~/.cache/hybrid``) under what it holds
 for: backend, world size, the hosts, torch's version and the sizes measured.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core import CostModel
-from hybrid.core.cost._collectives import PROBE_SIZES
+from hybrid.core.cost._collectives import COLLECTIVES, PROBE_SIZES
 from hybrid.core._fingerprint import fingerprint_of
 from hybrid.torch._collectives import all_gather_into, naming, reduce_scatter_into
 
@@ -29,49 +28,116 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRID_CACHE_DIR", Path.home() / ".cache" / "hybrid"))
 
 
-def _run(kind: str, buf: torch.Tensor, part: torch.Tensor, group) -> None:
+def _run(kind: str, buf: torch.Tensor, part: torch.Tensor, group, async_op: bool = False):
     if kind == "all_reduce":
-        dist.all_reduce(buf, group=group)
-    elif kind == "reduce_scatter":
-        reduce_scatter_into(part, buf, group=group)
-    elif kind == "all_gather":
-        all_gather_into(buf, part, group=group)
-    else:
-        dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return dist.all_reduce(buf, group=group, async_op=async_op)
+    if kind == "reduce_scatter":
+        return reduce_scatter_into(part, buf, group=group, async_op=async_op)
+    if kind == "all_gather":
+        return all_gather_into(buf, part, group=group, async_op=async_op)
+    return dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
+                          async_op=async_op)
 
 
-def _time_collectives(sizes, reps: int, group, device) -> list[tuple[str, int, float]]:
-    world = dist.get_world_size(group)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rows = []
-    for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
-        for nbytes in sizes:
-            numel = max(world, nbytes // 4 // world * world)  # a multiple of the world: equal shards
-            buf = torch.zeros(numel, device=device)
-            part = torch.zeros(numel // world, device=device)
-            times = []
-            for rep in range(reps + 1):  # the first is a warm-up (connections, allocations)
-                dist.barrier(group=group)
-                sync()
-                t0 = time.perf_counter()
-                _run(kind, buf, part, group)
-                sync()
-                if rep:
-                    times.append(time.perf_counter() - t0)
-            rows.append((kind, numel * 4, statistics.median(times)))
-    return rows
+def train_length(nbytes: int) -> int:
+    """How many collectives of ``nbytes`` a train holds: 8 for small messages (their gap is the
+    figure sought), down to 2 for big ones (bandwidth-bound: gap and time nearly agree).
+
+    >>> train_length(4096), train_length(1 << 20), train_length(32 << 20)
+    (8, 4, 2)
+    """
+    return max(2, min(8, -(-(4 << 20) // max(int(nbytes), 1))))
 
 
-def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5, cache: bool = True) -> CostModel:
+def repeats(nbytes: int) -> int:
+    """How often a round times a collective of ``nbytes``: 8 times up to 128 KiB, once from 1 MiB.
+
+    A small collective takes a fraction of a millisecond, the size of a scheduler's hiccup on a
+    busy machine (with more ranks than cores, one waits out another's time slice, ~4 ms): timing
+    it several times per round puts more samples behind its median at little cost.
+
+    >>> repeats(4096), repeats(256 << 10), repeats(32 << 20)
+    (8, 4, 1)
+    """
+    return max(1, min(8, (1 << 20) // max(int(nbytes), 1)))
+
+
+class Prober:
+    """The buffers and the timing of one rank's probe: every rank of ``group`` builds one with the
+    same ``kinds`` and ``sizes`` and calls :meth:`round` together (each call is collective).
+
+    A round times, per collective and size, :func:`repeats` isolated collectives (a barrier
+    before each, so all ranks start together) and as many trains of :func:`train_length` of them
+    issued back to back and waited on together, as DDP issues its buckets. Tests interleave
+    rounds with the workload they predict.
+    """
+
+    def __init__(self, group, kinds, sizes, device):
+        self.group, self.device = group, device
+        world = dist.get_world_size(group)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.cases = []
+        for kind in kinds:
+            if kind not in COLLECTIVES:
+                raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
+            for nbytes in sizes:
+                numel = max(world, int(nbytes) // 4 // world * world)  # a multiple of the world: equal shards
+                k = train_length(numel * 4)
+                bufs = [torch.zeros(numel, device=device) for _ in range(k)]
+                parts = [torch.zeros(numel // world, device=device) for _ in range(k)]
+                self.cases.append((kind, numel * 4, bufs, parts))
+
+    def _timed(self, kind, bufs, parts) -> float:
+        dist.barrier(group=self.group)
+        self.sync()
+        t0 = time.perf_counter()
+        works = [_run(kind, b, p, self.group, async_op=True) for b, p in zip(bufs, parts)]
+        for w in works:
+            w.wait()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def round(self) -> list[float]:
+        """This rank's times of one round: per case, its isolated collectives, then its trains."""
+        times = []
+        for kind, nbytes, bufs, parts in self.cases:
+            n = repeats(nbytes)
+            times += [self._timed(kind, bufs[:1], parts[:1]) for _ in range(n)]
+            times += [self._timed(kind, bufs, parts) for _ in range(n)]
+        return times
+
+    def slowest(self, seconds: list[float]) -> list[float]:
+        """Each time, the slowest rank's (a collective ends when its last rank does)."""
+        t = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def samples(self, rounds: list[list[float]]):
+        """``(samples, trains)`` for :meth:`hybrid.core.CostModel.fit` from rounds of times."""
+        samples, trains = [], []
+        for times in rounds:
+            it = iter(times)
+            for kind, nbytes, bufs, _ in self.cases:
+                n = repeats(nbytes)
+                samples += [(kind, nbytes, next(it)) for _ in range(n)]
+                trains += [(kind, nbytes, len(bufs), next(it)) for _ in range(n)]
+        return samples, trains
+
+
+def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5, cache: bool = True,
+                        kinds=COLLECTIVES) -> CostModel:
     """The cost model of ``process_group`` (default: the world), measured or from the cache.
 
-    Call it on every rank of the group, like a collective. With ``cache=True`` a model measured
-    before on the same hosts, backend, world size, torch version and sizes is read back instead.
+    Call it on every rank of the group, like a collective. Each collective in ``kinds`` is timed
+    at every size, alone and in back-to-back trains (:class:`Prober`), ``reps`` rounds after a
+    warm-up; the slowest rank's time of each counts. With ``cache=True`` a model measured before
+    on the same hosts, backend, world size, torch version, kinds and sizes is read back instead.
 
     Example (2 gloo ranks; see tests/torch/test_cost_model.py)::
 
         model = hybrid.torch.measure_collectives()
         model.seconds("all_reduce", 4 << 20)   # predicted seconds of a 4 MiB all-reduce
+        model.gap("all_reduce", 4 << 20)       # what one more adds to a back-to-back train
     """
     if reps < 1 or not sizes or min(sizes) <= 0:
         raise ValueError(f"measure_collectives needs reps >= 1 and positive sizes, got reps={reps}, sizes={sizes}")
@@ -83,7 +149,7 @@ def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5,
     dist.all_gather_object(hosts, platform.node(), group=group)
     about = {"backend": backend, "world_size": world, "hosts": sorted(set(hosts)), "torch": torch.__version__,
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-             "sizes": sorted(int(s) for s in sizes), "reps": reps}
+             "sizes": sorted(int(s) for s in sizes), "reps": reps, "kinds": sorted(kinds), "probe": "isolated+trains"}
     path = cache_dir() / f"cost-torch-{fingerprint_of(about)}.json"
     found = [None]
     if rank == 0 and cache and path.is_file():
@@ -92,11 +158,11 @@ def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5,
     if found[0] is not None:
         return CostModel.from_json(found[0])
     with naming("hybrid.torch.measure_collectives"):
-        rows = _time_collectives(sizes, reps, group, device)
-        slowest = torch.tensor([t for _, _, t in rows], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    rows = [(k, n, float(t)) for (k, n, _), t in zip(rows, slowest.tolist())]
-    model = CostModel.fit(rows, world_size=world, about=about)
+        prober = Prober(group, kinds, sizes, device)
+        prober.round()  # warm-up: connections, allocations
+        rounds = [prober.slowest(prober.round()) for _ in range(reps)]
+    samples, trains = prober.samples(rounds)
+    model = CostModel.fit(samples, trains=trains, world_size=world, about=about)
     if rank == 0 and cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

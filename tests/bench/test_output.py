@@ -63,19 +63,27 @@ def _series(base, factor):
 
 def test_ddp_report_aa_is_torch_against_itself():
     times = {"torch": _series(1.0, 1), "hybrid": _series(1.0, 0.9), "torch'": _series(1.0, 1.05),
-             "per_tensor": _series(1.0, 2.7)}
-    out = ddp.report([("mlp_2M", 2101248, 16, times, 2)])
+             "per_tensor": _series(1.0, 2.7), "auto": _series(1.0, 0.72)}
+    out = ddp.report([("mlp_2M", 2101248, 16, times, 2, "3 buckets (2 in place)")])
     [aa] = _aa_rows(out)
     assert (aa["group"], aa["what"], aa["paired"], aa["lo"], aa["hi"]) == ("mlp_2M", "torch'/torch", "1.050", "1.050", "1.050")
     assert re.search(r"mlp_2M\s+hybrid/torch\s+0\.900 .*< 1: hybrid faster", out), out
     assert re.search(r"mlp_2M\s+per_tensor/hybrid\s+3\.000 .*> 1: hybrid faster", out), out
+    # auto caps paired with torch's default caps in the same reducer, and with torch's DDP
+    assert re.search(r"mlp_2M\s+auto/hybrid\s+0\.800 .*< 1: auto faster", out), out
+    assert re.search(r"mlp_2M\s+auto/torch\s+0\.720 .*< 1: auto faster", out), out
+    assert "auto on mlp_2M: 3 buckets (2 in place)" in out
 
 
 def test_zero_report_aa_is_torch_zero1_against_itself():
     times = {name: _series(0.06, 1 + i / 100) for i, name in enumerate(zero.ROUND)}
     times["torch_zero1'"] = _series(0.06, 0.98 * 1.01)   # torch_zero1 is the second of the round: 1.01
-    [aa] = _aa_rows(zero.step_report(times))
+    out = zero.step_report(times)
+    [aa] = _aa_rows(out)
     assert (aa["what"], aa["paired"]) == ("torch_zero1'/torch_zero1", "0.980")
+    # auto caps against the same ZeRO at torch's default caps: 1.08 / 1.02 and 1.09 / 1.04
+    assert re.search(r"hybrid_zero1_auto/hybrid_zero1\s+1\.059 ", out), out
+    assert re.search(r"hybrid_zero2_auto/hybrid_zero2\s+1\.048 ", out), out
 
 
 def test_compile_report_aa_is_split_against_itself():

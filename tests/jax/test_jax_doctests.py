@@ -9,7 +9,8 @@ import pytest
 @pytest.mark.parametrize("name", ["hybrid.jax._all_reduce", "hybrid.jax._clip", "hybrid.jax._elementwise",
                                   "hybrid.jax._finite", "hybrid.jax._grad",
                                   "hybrid.jax._specs", "hybrid.jax._state_specs",
-                                  "hybrid.jax.sharded._zero", "hybrid.jax._cost_probe", "hybrid.jax._ready", "hybrid.jax.sharded._params"])
+                                  "hybrid.jax.sharded._zero", "hybrid.jax._cost_probe", "hybrid.jax._ready",
+                                  "hybrid.jax.sharded._params", "hybrid.jax._auto"])
 def test_module_doctests(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0 and result.failed == 0

@@ -4,12 +4,15 @@ import doctest
 
 import pytest
 
+import hybrid.torch._cost_probe
+import hybrid.torch.ddp._auto
 import hybrid.torch.ddp._ddp
 import hybrid.torch.ddp._logging
 import hybrid.torch.ddp._parts
 
 
-@pytest.mark.parametrize("module", [hybrid.torch.ddp._ddp, hybrid.torch.ddp._logging, hybrid.torch.ddp._parts])
+@pytest.mark.parametrize("module", [hybrid.torch.ddp._ddp, hybrid.torch.ddp._logging, hybrid.torch.ddp._parts,
+                                    hybrid.torch.ddp._auto, hybrid.torch._cost_probe])
 def test_ddp_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

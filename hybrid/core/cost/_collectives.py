@@ -109,16 +109,32 @@ def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
         nbytes * (world_size - 1) / world_size)
 
 
+def _interpolate(sizes: Sequence[float], times: Sequence[float], nbytes: float) -> float:
+    """Between measured sizes, the measured times interpolated; beyond the largest, the last two
+    times' slope; below the smallest, its time (the latency floor)."""
+    if nbytes > sizes[-1]:
+        return times[-1] + (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]) * (nbytes - sizes[-1])
+    return float(np.interp(nbytes, sizes, times))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Fit:
     """One collective, measured: the medians per size, and the line ``intercept_s +
-    seconds_per_byte * nbytes`` through them (what the formulas turn into alpha and B)."""
+    seconds_per_byte * nbytes`` through them (what the formulas turn into alpha and B).
+
+    ``gaps`` (optional, per size) is what one more collective adds to a *train* of them issued
+    back to back without waiting (as DDP issues its buckets): the stream's occupancy per
+    collective, the "gap" of the LogP model, at most the isolated time. A backend that overlaps
+    consecutive collectives (gloo runs them on two worker threads, and a train never returns to
+    Python between them) has gaps well below its isolated times for small messages.
+    """
 
     intercept_s: float
     seconds_per_byte: float
     max_rel_error: float  # of the line on the measured medians
     sizes: tuple = ()  # measured sizes in bytes, ascending
     medians: tuple = ()  # seconds, median over the samples of each size
+    gaps: tuple = ()  # seconds per collective in a back-to-back train, per size; () = the medians
 
     def seconds(self, nbytes: float) -> float:
         """Between measured sizes, the measured medians interpolated; beyond the largest, the last
@@ -131,10 +147,14 @@ class Fit:
         """
         if len(self.sizes) < 2:
             return self.intercept_s + self.seconds_per_byte * nbytes
-        n, t = self.sizes, self.medians
-        if nbytes > n[-1]:
-            return t[-1] + (t[-1] - t[-2]) / (n[-1] - n[-2]) * (nbytes - n[-1])
-        return float(np.interp(nbytes, n, t))
+        return _interpolate(self.sizes, self.medians, nbytes)
+
+    def gap_seconds(self, nbytes: float) -> float:
+        """What a collective of ``nbytes`` adds to a back-to-back train (at most :meth:`seconds`)."""
+        whole = self.seconds(nbytes)
+        if len(self.gaps) < 2:
+            return whole
+        return min(whole, max(_interpolate(self.sizes, self.gaps, nbytes), 0.0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,36 +180,66 @@ class CostModel:
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[str, int, float]], *, world_size: int, about: dict | None = None,
-            algorithm: str = "ring") -> "CostModel":
+            algorithm: str = "ring", trains: Iterable[tuple[str, int, int, float]] = ()) -> "CostModel":
         """Least-squares lines through the samples of each collective, weighted by 1/time (so the
-        small messages, where latency dominates, count as much as the big ones)."""
+        small messages, where latency dominates, count as much as the big ones).
+
+        ``samples`` are ``(collective, nbytes, seconds)`` of isolated collectives; ``trains`` are
+        ``(collective, nbytes, count, seconds)``: ``count`` collectives of ``nbytes`` issued back
+        to back, from the first issue to the last completion. A train of ``k`` costs the isolated
+        time plus ``k - 1`` gaps, so each size's gap is ``(median train - median isolated) / (k - 1)``
+        (kept between half the train's mean and the isolated time, against noise).
+        """
         by_kind: dict[str, list[tuple[int, float]]] = {}
         for kind, nbytes, seconds in samples:
             if kind not in COLLECTIVES:
                 raise ValueError(f"unknown collective {kind!r} in the samples")
             by_kind.setdefault(kind, []).append((int(nbytes), float(seconds)))
+        by_train: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        for kind, nbytes, count, seconds in trains:
+            if kind not in by_kind or int(count) < 2:
+                raise ValueError(f"a train needs isolated samples of its collective and at least 2 collectives, "
+                                 f"got {kind!r} x {count}")
+            by_train.setdefault((kind, int(nbytes)), []).append((int(count), float(seconds)))
         fits = {}
         for kind, rows in sorted(by_kind.items()):
             sizes = sorted({r[0] for r in rows})
             if len(sizes) < 2:
                 raise ValueError(f"{kind}: a line needs samples at two sizes or more, got sizes {sizes}")
-            medians = [float(np.median([t for n, t in rows if n == size])) for size in sizes]
+            # A longer message never takes less time: a median that says otherwise is noise, evened out
+            # (planners rely on it: a bucket's collective only grows with its bytes).
+            medians = np.maximum.accumulate([float(np.median([t for n, t in rows if n == size])) for size in sizes])
             n, t = np.array(sizes, float), np.array(medians, float)
             w = 1.0 / np.maximum(t, 1e-12)
             coef, *_ = np.linalg.lstsq(np.stack([w, w * n], 1), w * t, rcond=None)
             a, b = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
             err = float(np.max(np.abs(a + b * n - t) / t))
-            fits[kind] = Fit(a, b, err, tuple(sizes), tuple(medians))
+            gaps = ()
+            if any(k == kind for k, _ in by_train):
+                missing = [size for size in sizes if (kind, size) not in by_train]
+                if missing:
+                    raise ValueError(f"{kind}: trains at some sizes but not at {missing}")
+                gaps = tuple(float(g) for g in np.maximum.accumulate(
+                    [_gap(by_train[kind, size], alone) for size, alone in zip(sizes, medians)]))
+            fits[kind] = Fit(a, b, err, tuple(sizes), tuple(float(m) for m in medians), gaps)
         return cls(world_size, fits, dict(about or {}), algorithm)
 
     def seconds(self, kind: str, nbytes: float) -> float:
         """Predicted time of one collective of ``nbytes`` over the measured group."""
+        return self._fit(kind, nbytes, Fit.seconds)
+
+    def gap(self, kind: str, nbytes: float) -> float:
+        """What one more collective of ``nbytes`` adds to a back-to-back train of them
+        (:meth:`seconds` where no trains were measured)."""
+        return self._fit(kind, nbytes, Fit.gap_seconds)
+
+    def _fit(self, kind, nbytes, what) -> float:
         if self.world_size == 1:
             return 0.0
         f = self.fits.get(kind)
         if f is None:
             raise KeyError(f"the cost model measured {sorted(self.fits)}, not {kind!r}")
-        return f.seconds(nbytes)
+        return what(f, nbytes)
 
     def link(self, kind: str = "all_reduce") -> Link:
         """The measured line as a :class:`Link`, through ``kind``'s formula at the measured size."""
@@ -212,7 +262,7 @@ class CostModel:
             d = json.loads(d)
         if d.get("kind") != "CostModel":
             raise ValueError(f"not a CostModel JSON object (kind={d.get('kind')!r})")
-        fits = {k: Fit(**{**f, "sizes": tuple(f.get("sizes", ())), "medians": tuple(f.get("medians", ()))})
+        fits = {k: Fit(**{**f, **{key: tuple(f.get(key, ())) for key in ("sizes", "medians", "gaps")}})
                 for k, f in d["fits"].items()}
         return cls(d["world_size"], fits, d.get("about", {}),
                    d.get("algorithm", "ring"))
@@ -221,11 +271,42 @@ class CostModel:
         return fingerprint_of(self.to_json())
 
 
+def _gap(trains: list[tuple[int, float]], alone: float) -> float:
+    count = trains[0][0]
+    if any(k != count for k, _ in trains):
+        raise ValueError(f"the trains of one size must have one length, got {sorted({k for k, _ in trains})}")
+    total = float(np.median([t for _, t in trains]))
+    return min(alone, max((total - alone) / (count - 1), total / count / 2))
+
+
+def stream_ends(tasks: Iterable[tuple[float, float, float]]) -> list[float]:
+    """When each collective of a stream ends, issued in order: ``(ready_s, seconds, gap_s)`` each.
+
+    A collective ends no sooner than ``seconds`` after it is issued (at ``ready_s``), and no sooner
+    than ``gap_s`` after the one before it ends: ``end_k = max(ready_k + seconds_k, end_{k-1} +
+    gap_k)``. With ``gap == seconds`` that is a serial stream (each starts when the previous ends);
+    a smaller gap is a stream that overlaps consecutive collectives (:meth:`CostModel.gap`).
+
+    >>> stream_ends([(0.0, 1.0, 1.0), (0.0, 1.0, 1.0)])  # serial
+    [1.0, 2.0]
+    >>> stream_ends([(0.0, 1.0, 0.25), (0.0, 1.0, 0.25), (5.0, 1.0, 0.25)])  # a train, then one alone
+    [1.0, 1.25, 6.0]
+    """
+    ends, last = [], -math.inf
+    for ready, seconds, gap in tasks:
+        last = max(ready + seconds, last + gap)
+        ends.append(last)
+    return ends
+
+
 def exposed_seconds(compute: Sequence[tuple[str, float, Sequence[str]]],
-                    comm: Sequence[tuple[str, float, Sequence[str]]]) -> tuple[float, float]:
+                    comm: Sequence[tuple]) -> tuple[float, float]:
     """Run two streams, compute and communication, each in its own issue order; a task starts
     when its stream is free and the tasks it names are done. Returns ``(end, exposed)``: when
     the last task ends, and how much of that is communication the compute did not hide.
+
+    A communication task may carry a fourth element, its gap (:func:`stream_ends`): it then ends
+    ``max(ready + seconds, previous end + gap)``, a stream that overlaps consecutive collectives.
 
     >>> exposed_seconds([("b0", 1.0, ()), ("b1", 1.0, ())], [("r0", 1.5, ("b0",)), ("r1", 0.5, ("b1",))])
     (3.0, 1.0)
@@ -237,9 +318,10 @@ def exposed_seconds(compute: Sequence[tuple[str, float, Sequence[str]]],
         progressed = False
         for s, queue in enumerate(queues):
             while queue and all(d in done for d in queue[0][2]):
-                name, seconds, deps = queue.pop(0)
-                start = max([free[s], *(done[d] for d in deps)])
-                free[s] = done[name] = start + seconds
+                name, seconds, deps, *gap = queue.pop(0)
+                ready = max([0.0, *(done[d] for d in deps)])
+                # with gap == seconds: max(ready, free) + seconds, a serial stream
+                free[s] = done[name] = max(ready + seconds, free[s] + (gap[0] if gap else seconds))
                 progressed = True
         if not progressed:
             waiting = [q[0][0] for q in queues if q]

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, ParamPairing
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._elementwise import NON_ELEMENTWISE
 from hybrid.jax.sharded._on_shards import on_shards
@@ -19,7 +19,7 @@ from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, shard_
 
 __all__ = ["NON_ELEMENTWISE", "ZeroState", "zero"]
 _DEFAULTS = dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES,
-                 order=None, copy_backend=None, ready_order=None, pairing=None)
+                 order=None, copy_backend=None, ready_order=None, pairing=None, plan=None)
 
 
 def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
@@ -27,7 +27,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
          first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES, mean: bool = True,
          order: Sequence[str] | None = None, check_elementwise: bool = True,
          copy_backend: str | None = None, ready_order: Sequence[str] | None = None,
-         pairing: ParamPairing | None = None) -> optax.GradientTransformation:
+         pairing: ParamPairing | None = None, plan: BucketPlan | None = None) -> optax.GradientTransformation:
     """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2), or with the
     parameters and gradients too (stage 3).
 
@@ -77,6 +77,9 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         unpacked, as for :func:`hybrid.jax.bucketed_all_reduce`.
       ready_order, pairing: plan as torch's DDP holds its buckets after its rebuild, as for
         :func:`hybrid.jax.bucketed_all_reduce`: the slices are then torch's ZeRO2 slices.
+      plan: a :class:`hybrid.core.BucketPlan` to cut as it is (:func:`hybrid.jax.auto_bucket_plan`
+        with ``kind="reduce_scatter", after_step=[("all_gather", 1)]``), as for
+        :func:`hybrid.jax.bucketed_all_reduce`.
 
     >>> import jax, jax.numpy as jnp, numpy as np, optax
     >>> tx = zero(optax.sgd(0.1), "dp", stage=2)
@@ -93,7 +96,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     if stage == 3:
         given = {k: v for k, v in dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes,
                                        order=order, copy_backend=copy_backend, ready_order=ready_order,
-                                       pairing=pairing).items() if v != _DEFAULTS[k]}
+                                       pairing=pairing, plan=plan).items() if v != _DEFAULTS[k]}
         if given:
             raise ValueError(f"zero(stage=3): {sorted(given)} would have no effect: at stage 3 the bucket plan "
                              f"travels with the ParamShards; pass them to hybrid.jax.shard_params")
@@ -104,7 +107,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     caps = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
 
     def layout_of(tree, what):
-        return _Layout.of(tree, what=what, order=order, ready_order=ready_order, pairing=pairing, **caps)
+        return _Layout.of(tree, what=what, order=order, ready_order=ready_order, pairing=pairing, plan=plan, **caps)
 
     flat_inner = on_slices(inner)  # masks and labels are per leaf; on flat slices per element
 

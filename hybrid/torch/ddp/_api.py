@@ -138,7 +138,7 @@ class TorchMethods:
         """A fresh logger, filled as torch's ``_ddp_init_helper`` fills it."""
         # torch's bucket_bytes_cap: the largest cap of a list, and a negative cap as it is.
         caps_mb = self._layout_settings["bucket_cap_mb_list"] or [self._layout_settings["bucket_cap_mb"]]
-        cap_mb = 25 if caps_mb == [None] else max(caps_mb)
+        cap_mb = 25 if caps_mb in ([None], ["auto"]) else max(caps_mb)  # auto starts from torch's caps
         self.logger = DDPLogger()
         self.logger.set_construction_data(
             module_name=type(self.module).__name__, device_ids=self.device_ids, output_device=self.output_device,

@@ -24,6 +24,7 @@ from hybrid.torch.ddp._parts import _bucket_copy_backend, _reachable_params, _re
 from hybrid.torch.ddp._parts import unfinished_reduction_message
 from hybrid.torch._collectives import naming
 from hybrid.torch.ddp._api import TorchMethods, process_group_for
+from hybrid.torch.ddp._auto import AUTO
 from hybrid.torch.ddp._buffers import BufferSync
 from hybrid.torch.ddp._delay import DelayedAllReduce
 from hybrid.torch.ddp._join import _JoinHook
@@ -38,6 +39,22 @@ from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there 
 _MB = 1024 * 1024
 
 
+def _check_auto(bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters, static_graph) -> bool:
+    """Whether ``bucket_cap_mb`` asks for hybrid's auto plan; a clear error where it cannot apply."""
+    if not isinstance(bucket_cap_mb, str):
+        return False
+    if bucket_cap_mb != AUTO:
+        raise ValueError(f"bucket_cap_mb must be a number of MB or 'auto', got {bucket_cap_mb!r}")
+    if bucket_cap_mb_list:
+        raise ValueError(f"bucket_cap_mb='auto' plans every bucket itself; it cannot be combined with "
+                         f"bucket_cap_mb_list={bucket_cap_mb_list!r}")
+    if find_unused_parameters and not static_graph:
+        raise ValueError("bucket_cap_mb='auto' plans from the gradients' order and times in the first iteration, "
+                         "which DDP rebuilds its buckets from only without find_unused_parameters=True (or with "
+                         "static_graph=True); drop one of them")
+    return True
+
+
 def _cap_bytes(mb: float) -> int:
     """A bucket cap in MB as bytes; a negative cap means unlimited, as in torch (its C++ reads
     the negative byte count as a huge unsigned size: one bucket per dtype and device)."""
@@ -50,6 +67,8 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
     one-bucket-per-dtype plan, then the plan rebuilt from the first iteration's ready order).
+    ``bucket_cap_mb="auto"`` (hybrid's, opt-in) rebuilds instead with the plan the process group's
+    cost model says ends the backward's communication soonest (docs/torch.md).
 
     >>> import torch.distributed as dist
     >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -130,8 +149,13 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         self.batched_grad_copy = batched_grad_copy
         self._init_sync_buffers = init_sync_buffers
 
+        # bucket_cap_mb="auto": hybrid's own, opt-in; torch's numbers keep torch's meaning.
+        self._auto_caps = _check_auto(bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters, static_graph)
+        if self._auto_caps:
+            bucket_cap_mb = None  # the initial plan, and anything that asks for caps, gets torch's defaults
         # What decides the bucket layout, as the user spelled it: ranks must agree on it.
-        self._layout_settings = {"bucket_cap_mb": bucket_cap_mb, "bucket_cap_mb_list": bucket_cap_mb_list,
+        self._layout_settings = {"bucket_cap_mb": AUTO if self._auto_caps else bucket_cap_mb,
+                                 "bucket_cap_mb_list": bucket_cap_mb_list,
                                  "find_unused_parameters": bool(find_unused_parameters),
                                  "static_graph": bool(static_graph)}
         if bucket_cap_mb_list:
@@ -166,6 +190,9 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
             p0 = self._params[bucket.members[0]]
             if bucket.sparse:  # reduced as the sparse gradient itself: no flat buffer, no view
                 self._bufs.append(sparse_placeholder(p0))
+                continue
+            if bucket.in_place:  # reduced where its gradient lies: _fill_bucket points at it
+                self._bufs.append(torch.empty(0, dtype=self._bucket_dtype(p0), device=p0.device))
                 continue
             buf = torch.zeros(bucket.length, dtype=self._bucket_dtype(p0), device=p0.device)
             self._bufs.append(buf)
@@ -259,6 +286,8 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         if grad_sync:
             if self.logger.should_collect(self._iteration):
                 self.logger.record("backward_compute_start")
+            if self._ready_clock is not None:
+                self._ready_clock.reset()
             self._state = self._start_state
             self._delaying = self.static_graph and self._static_unused is None
             self._futures = []
@@ -286,6 +315,10 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
 
     _last_order = None
     _expect_hooks = False
+    _ready_clock = None
+    # The collective each bucket runs and the ones after the step, for bucket_cap_mb="auto"'s
+    # planner; ZeRO2 states its own.
+    _auto_collectives: tuple = ("all_reduce", ())
     _comm_hook_owns_grads = False  # set by hybrid.torch.ZeRO2, whose hook keeps the gradients
 
     def _ensure_prior_reduction_finished(self):

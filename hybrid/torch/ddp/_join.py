@@ -32,13 +32,13 @@ class _JoinHook(JoinHook):
             unused = set(ddp._pending_unused)
             buckets = [b for b in buckets if not unused.issuperset(ddp.bucket_plan.buckets[b].members)]
         if ddp._comm_hook is None:
-            works = [dist.all_reduce(torch.zeros_like(ddp._bufs[b]), group=ddp.process_group, async_op=True)
+            works = [dist.all_reduce(ddp._zero_bucket(b), group=ddp.process_group, async_op=True)
                      for b in buckets]
         else:
             # torch's _match_all_reduce_for_bwd_pass: the hook runs on zero buckets, so that a
             # hook whose collectives are not one all-reduce of the bucket (fp16 compression,
             # PowerSGD, ZeRO2's reduce-scatter) is matched collective for collective.
-            works = [ddp._run_comm_hook(b, torch.zeros_like(ddp._bufs[b])) for b in buckets]
+            works = [ddp._run_comm_hook(b, ddp._zero_bucket(b)) for b in buckets]
         for w in works:
             w.wait()
         if ddp.find_unused_parameters and not ddp.static_graph and not ddp.skip_all_reduce_unused_params:

@@ -19,7 +19,8 @@ _DROPPED = frozenset({
     "_static_unused", "_static_globally_unused", "_futures", "_used_work", "_local_used",
     "_pending_unused", "_used_in_window", "_undefined_now", "bucket_plan", "_bufs", "_views", "_bucket_is_last",
     "_scaled_in", "_kernel_copy", "_fuse_at_hook", "_sparse_metadata", "_installed_futures",
-    "logger", "_num_buckets_reduced", "_graph_static", "_prev_unused"})
+    "logger", "_num_buckets_reduced", "_graph_static", "_prev_unused", "_ready_clock", "_last_ready_s",
+    "_auto_report"})
 
 
 def _uses_default_group(ddp) -> bool:

@@ -15,6 +15,7 @@ from hybrid import kernels
 from hybrid.core import plan_buckets
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
 from hybrid.torch._collectives import naming
+from hybrid.torch.ddp._auto import ReadyClock
 from hybrid.torch.ddp._parts import GradBucket, marked_twice_message
 
 
@@ -52,6 +53,9 @@ class Reducer:
         self._pending_unused: tuple[int, ...] = ()  # unused in this iteration, marked ready by us
         self._num_buckets_reduced = 0  # in the last synchronizing backward (torch's, for its logger)
         self._graph_static, self._prev_unused = True, None  # whether the unused set ever changed
+        # bucket_cap_mb="auto": the hooks time the gradients until the rebuild (hybrid/torch/ddp/_auto.py)
+        self._ready_clock = ReadyClock(len(self._params), self.device) if self._auto_caps else None
+        self._last_ready_s = None
         self._set_plan(plan_buckets(self._bucket_specs(), size_limits=self._initial_limits))
         self._log_construction()
         for i, p in enumerate(self._params):
@@ -64,7 +68,13 @@ class Reducer:
             # Decided at forward time, as torch's prepare_for_backward: a forward outside
             # no_sync() is reduced even when its backward runs inside the block.
             if self._expect_hooks:
-                on_ready(index, param)
+                clock = self._ready_clock
+                if clock is None:
+                    on_ready(index, param)
+                else:
+                    entered = clock.enter()
+                    on_ready(index, param)
+                    clock.leave(index, entered)
             elif self.find_unused_parameters and param.grad is not None:
                 # torch's locally-used map: a gradient accumulated under no_sync() counts as used
                 # until the synchronizing backward, which reduces it on every rank. (The hook also
@@ -147,6 +157,9 @@ class Reducer:
         """Bring bucket ``b``'s gradients into its buffer, divided by the world size when no comm
         hook runs (a hook divides itself), as torch does: x * (1/n) for copied gradients (mul_out),
         x / n for gradients already living in the bucket (``gradient_as_bucket_view``: div_)."""
+        if self.bucket_plan.buckets[b].in_place:
+            self._fill_in_place(b)
+            return
         members = self.bucket_plan.buckets[b].members
         params, views, it, scaled_in = self._params, self._views, self._iteration, self._scaled_in
         dst, src, in_place = [], [], []
@@ -179,6 +192,32 @@ class Reducer:
                 self._bufs[b].div_(self._div_factor)
             else:
                 torch._foreach_div_(in_place, self._div_factor)
+
+    def _fill_in_place(self, b: int) -> None:
+        """An in-place bucket (``bucket_cap_mb="auto"``): its one gradient is the buffer, scaled
+        where it lies as the copy path scales (x * (1/n), bit for bit). A gradient that is not one
+        dense contiguous block (channels_last), or none at all (unused this iteration), is
+        reduced through a flat tensor of its own and written back as a copied bucket is."""
+        bucket = self.bucket_plan.buckets[b]
+        (m,) = bucket.members
+        param, grad = self._params[m], self._params[m].grad
+        if grad is not None and grad.layout == torch.strided and grad.is_contiguous():
+            buf, view = grad.view(-1), grad
+        else:
+            buf = torch.zeros(bucket.length, dtype=self._bucket_dtype(param), device=param.device)
+            if grad is not None:
+                buf.view(param.shape).copy_(grad)
+            view = buf.view(param.shape)
+        if self._comm_hook is None:
+            buf.mul_(self._inv_div)
+        self._bufs[b], self._views[m] = buf, view
+
+    def _zero_bucket(self, b: int) -> torch.Tensor:
+        """Zeros shaped as bucket ``b``'s buffer: what a joined rank reduces in its place."""
+        bucket, buf = self.bucket_plan.buckets[b], self._bufs[b]
+        if bucket.in_place:
+            return torch.zeros(bucket.length, dtype=buf.dtype, device=buf.device)
+        return torch.zeros_like(buf)
 
     def _launch(self, b: int) -> None:
         if self.bucket_plan.buckets[b].sparse:
@@ -274,6 +313,13 @@ class Reducer:
             # last, by index.
             self._last_order = state.ready_order if not self.static_graph else (
                 tuple(i for i in state.ready_order if i not in state.unused) + tuple(sorted(state.unused)))
+            if self._ready_clock is not None:
+                self._last_ready_s = self._ready_clock.times()  # of the iteration whose order it is
+        for b, bucket in enumerate(self.bucket_plan.buckets):
+            if bucket.in_place:  # hold no gradient past its iteration (the next one brings its own)
+                (m,) = bucket.members
+                buf = self._bufs[b]
+                self._bufs[b], self._views[m] = torch.empty(0, dtype=buf.dtype, device=buf.device), None
         self._futures = []
         self._used_in_window.clear()
         self._undefined_now = set()
@@ -290,9 +336,12 @@ class Reducer:
         one call: a kernel launch on CUDA (hybrid.kernels), a foreach copy on CPU."""
         if self.bucket_plan.buckets[b].sparse:
             return  # its .grad was reduced in place
-        params, views, members = self._params, self._views, self.bucket_plan.buckets[b].members
+        bucket = self.bucket_plan.buckets[b]
+        params, views, members = self._params, self._views, bucket.members
         grads = [params[m].grad for m in members]
-        if (self._kernel_copy and not skip.intersection(members)
+        if bucket.in_place and grads[0] is not None and grads[0].data_ptr() == views[members[0]].data_ptr():
+            return  # reduced where it lies
+        if (self._kernel_copy and not bucket.in_place and not skip.intersection(members)
                 and all(g is not None and g.is_contiguous() for g in grads)):
             kernels.scatter(self.bucket_plan, b, self._bufs[b], [p.grad for p in params], backend="cuda")
             return

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hybrid.core import rebuild_plan
 from hybrid.torch._collectives import naming
+from hybrid.torch.ddp._auto import plan_auto
 
 _MB = 1024 * 1024
 _BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
@@ -47,7 +48,8 @@ class RankAgreement:
                         "so pass the same value on every rank.")
 
     def _rebuild(self, ready_order) -> None:
-        """Rebuild the plan once from the first iteration's ready order; rank 0's order wins."""
+        """Rebuild the plan once from the first iteration's ready order; rank 0's order wins.
+        With ``bucket_cap_mb="auto"`` the plan is :func:`hybrid.torch.ddp._auto.plan_auto`'s."""
         order = torch.tensor(list(ready_order), dtype=torch.int64)
         if self._world > 1:
             n = torch.tensor([order.numel()], dtype=torch.int64)
@@ -56,7 +58,11 @@ class RankAgreement:
                 if order.numel() != n.item():
                     order = torch.zeros(int(n.item()), dtype=torch.int64)
                 dist.broadcast(order, 0, group=self.process_group)
-        plan = rebuild_plan(self.bucket_plan, order.tolist(), size_limits=self._rebuild_limits)
+        if self._auto_caps:
+            plan = plan_auto(self, order.tolist())
+            self._ready_clock = None  # the times are in; the hooks stop reading the clock
+        else:
+            plan = rebuild_plan(self.bucket_plan, order.tolist(), size_limits=self._rebuild_limits)
         if self._world > 1:
             fp = torch.tensor([int(plan.fingerprint(), 16) >> 1], dtype=torch.int64)
             fps = [torch.zeros_like(fp) for _ in range(self._world)]

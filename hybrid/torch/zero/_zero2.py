@@ -125,6 +125,10 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         # all-reduced and sliced, parameters broadcast slice by slice; elsewhere (NCCL) the flat
         # collectives. The memory kept is the same: only the slices outlive the hook.
         self._flat_collectives = dist.get_backend(self.process_group) != dist.Backend.GLOO
+        # What bucket_cap_mb="auto" plans the DDP's buckets for: this hook's collective per bucket and
+        # the parameter gathers after the step (on gloo: every rank broadcasts its slice).
+        module._auto_collectives = (("reduce_scatter", (("all_gather", 1),)) if self._flat_collectives
+                                    else ("all_reduce", (("broadcast", self.world_size),)))
         self._set_param_plan(module.bucket_plan)
         self.optim: Optimizer = optimizer_class(
             [{**options, "params": self._masters_of(g)} for g, options in enumerate(group_options)], **defaults)
