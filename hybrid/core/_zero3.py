@@ -1,0 +1,165 @@
+"""ZeRO stage 3 on a bucket plan: the order the forward uses buckets, what is gathered when, and
+what a rank holds.
+
+At stage 3 a rank keeps only its flat slice of every bucket (``shard_flat``: the layout of ZeRO-2's
+gradient slices and of checkpoint files) for the parameters too. Before a bucket's parameters
+are used they are all-gathered into the full (padded) bucket, and freed after their last use;
+the backward gathers them again (``reshard_after_forward``, FSDP's default) or finds them kept.
+Gradients are reduce-scattered per bucket into the owner's slice; the optimizer steps on slices.
+
+The frontends share these decisions:
+
+- :func:`forward_order` - buckets in the order the forward first uses them. Gathers are issued in
+  this order; the backward runs it in reverse (the plan's own order: gradient-ready order).
+- :func:`gather_windows` - the buckets held gathered while each bucket computes: itself and the
+  next ``prefetch`` in the order (their all-gathers overlap its compute).
+- :func:`zero3_memory` - per-rank bytes: slices of parameters, gradients and optimizer state, and
+  the gathered working set (full buckets of a window, plus, in the backward, the full gradient of
+  the bucket being reduce-scattered).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from hybrid.core._buckets import BucketPlan
+from hybrid.core._dtypes import itemsize
+from hybrid.core._shard import FlatShardPlan
+from hybrid.core._spec import check_specs
+
+
+def forward_order(plan: BucketPlan, first_use: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Bucket indices in the order the forward first uses them.
+
+    Without ``first_use``, the plan's reverse: ``plan_buckets`` fills buckets from the last
+    registered tensor backwards (DDP's expected gradient-ready order), so for a model that uses
+    its parameters in registration order the last bucket holds the first layers. ``first_use``
+    gives the order observed instead (spec indices as the forward first read them: a torch forward
+    pre-hook per module, or the order a traced JAX loss reads its leaves); buckets sort by their
+    earliest member, and buckets none of whose members were seen come last, in reverse plan order.
+
+    >>> from hybrid.core import TensorSpec, plan_buckets
+    >>> plan = plan_buckets([TensorSpec(f"w{i}", (4,), "float32") for i in range(3)], size_limits=[16])
+    >>> [[plan.specs[m].name for m in b.members] for b in plan.buckets]
+    [['w2'], ['w1'], ['w0']]
+    >>> forward_order(plan), forward_order(plan, first_use=[1, 0, 2])
+    ((2, 1, 0), (1, 2, 0))
+    """
+    reverse = tuple(reversed(range(plan.num_buckets)))
+    if first_use is None:
+        return reverse
+    first_use = [int(i) for i in first_use]
+    n = len(plan.specs)
+    bad = [i for i in first_use if not 0 <= i < n]
+    repeated = sorted({i for i in first_use if first_use.count(i) > 1})
+    if bad or repeated:
+        raise ValueError(f"first_use must list spec indices in [0, {n}) at most once; out of range {bad}, "
+                         f"repeated {repeated}")
+    seen = {i: k for k, i in enumerate(first_use)}
+    unseen = len(first_use)
+    # (earliest member seen, position among unseen buckets): unseen buckets keep reverse plan order.
+    key = {b: (min((seen.get(m, unseen) for m in plan.buckets[b].members), default=unseen), k)
+           for k, b in enumerate(reverse)}
+    return tuple(sorted(reverse, key=key.__getitem__))
+
+
+def _check_order(order: Sequence[int], num_buckets: int) -> tuple[int, ...]:
+    order = tuple(int(b) for b in order)
+    if sorted(order) != list(range(num_buckets)):
+        raise ValueError(f"order must hold every bucket index 0..{num_buckets - 1} once, got {list(order)}")
+    return order
+
+
+def _check_prefetch(prefetch) -> None:
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (buckets gathered ahead of the one computing), got {prefetch!r}")
+
+
+def gather_windows(order: Sequence[int], prefetch: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The buckets held gathered while each bucket of ``order`` computes: itself and the next
+    ``prefetch`` (whose all-gathers run during its compute). A bucket is gathered when it enters a
+    window and freed when it leaves; run on the reversed order for the backward.
+
+    >>> gather_windows((2, 1, 0)), gather_windows((2, 1, 0), prefetch=0)
+    (((2, 1), (1, 0), (0,)), ((2,), (1,), (0,)))
+    """
+    _check_prefetch(prefetch)
+    order = tuple(order)
+    return tuple(order[k:k + prefetch + 1] for k in range(len(order)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Zero3Memory:
+    """Bytes one rank holds at stage 3 (every rank alike: flat slices have one size).
+
+    ``param_bytes``, ``grad_bytes`` and ``state_bytes`` persist between steps (the slices, padding
+    included); ``gathered_bytes`` is the peak of full buckets held during a step.
+    """
+
+    param_bytes: int
+    grad_bytes: int
+    state_bytes: int
+    gathered_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.state_bytes + self.gathered_bytes
+
+
+def zero3_memory(shards: FlatShardPlan, state_bytes_per_param: int, *, prefetch: int = 1,
+                 order: Sequence[int] | None = None, reshard_after_forward: bool = True) -> Zero3Memory:
+    """A rank's memory at stage 3 on ``shards`` (``state_bytes_per_param``: the ``K`` of
+    :func:`hybrid.core.zero_memory`).
+
+    The gathered working set: in the forward, the full (padded) buckets of a :func:`gather_windows`
+    window; in the backward, a window of the reversed order plus the full gradient of the bucket
+    being reduce-scattered. With ``reshard_after_forward=False`` the forward's buckets are kept
+    for the backward: at the turn every bucket is held, plus the first backward bucket's gradient.
+
+    >>> from hybrid.core import TensorSpec, plan_buckets, shard_flat
+    >>> plan = plan_buckets([TensorSpec(f"w{i}", (100,), "float32") for i in range(4)], size_limits=[400])
+    >>> m = zero3_memory(shard_flat(plan, 4), 8)
+    >>> m.param_bytes, m.state_bytes, m.gathered_bytes  # 4 slices of 25 floats; 2 buckets + 1 gradient
+    (400, 800, 1200)
+    >>> zero3_memory(shard_flat(plan, 4), 8, reshard_after_forward=False).gathered_bytes
+    2000
+    """
+    _check_prefetch(prefetch)
+    plan = shards.bucket_plan
+    order = forward_order(plan) if order is None else _check_order(order, plan.num_buckets)
+    full = [shards.padded_length(b) * itemsize(bucket.dtype) for b, bucket in enumerate(plan.buckets)]
+    slices = sum(size * itemsize(bucket.dtype) for size, bucket in zip(shards.shard_sizes, plan.buckets))
+    if not order:
+        gathered = 0
+    elif reshard_after_forward:
+        forward = max(sum(full[b] for b in w) for w in gather_windows(order, prefetch))
+        backward = max(sum(full[b] for b in w) + full[w[0]] for w in gather_windows(order[::-1], prefetch))
+        gathered = max(forward, backward)
+    else:
+        gathered = sum(full) + full[order[-1]]
+    return Zero3Memory(slices, slices, state_bytes_per_param * sum(shards.shard_sizes), gathered)
+
+
+# Stage 3's default plan: about this many buckets, so that the gathered working set (the window
+# of prefetch + 1 buckets, plus the gradient buckets in the backward: about 4 buckets) stays near a
+# quarter of the parameters, and within these bounds: below the floor collectives are latency,
+# above the ceiling (DDP's cap) a bucket only adds working set.
+ZERO3_BUCKETS = 16
+ZERO3_CAP_FLOOR = 256 << 10
+ZERO3_CAP_CEILING = 25 << 20
+
+
+def zero3_bucket_cap(specs) -> int:
+    """The default stage-3 bucket cap in bytes for these parameters: a ``1/16`` of their bytes,
+    kept within 256 KiB and 25 MiB (DDP's cap). The first bucket is capped at ``min(1 MiB, cap)``
+    as in DDP.
+
+    >>> from hybrid.core import TensorSpec
+    >>> zero3_bucket_cap([TensorSpec("w", (2048, 2048), "float32")])  # 16 MiB / 16
+    1048576
+    >>> zero3_bucket_cap([TensorSpec("w", (64, 64), "float32")]), zero3_bucket_cap([TensorSpec("w", (1 << 30,), "float32")])
+    (262144, 26214400)
+    """
+    total = sum(s.nbytes for s in check_specs(specs))
+    return min(ZERO3_CAP_CEILING, max(ZERO3_CAP_FLOOR, total // ZERO3_BUCKETS))
