@@ -23,6 +23,7 @@ from hybrid.torch.ddp._parts import _reduced_parameters
 from hybrid.torch.zero._zero3_grads import GradReducer
 from hybrid.torch.zero._zero3_params import ParamBuckets
 from hybrid.torch.zero._zero3_schedule import Schedule
+from hybrid.torch.zero._zero3_shards import ParameterInShards
 
 __all__ = ["ZeRO3"]
 
@@ -48,7 +49,9 @@ class ZeRO3(nn.Module):
     keeps this rank's slice and frees the rest. Construction takes rank 0's parameter and buffer
     values, as DDP does.
 
-    Between uses the parameters hold no memory: read them inside ``with model.gathered():``.
+    Between uses the model's parameters are :class:`ParameterInShards` stand-ins (right shape,
+    dtype and device; reading their values raises, naming the parameter): read them inside
+    ``with model.gathered():``.
     ``.grad`` after ``backward()`` holds a :class:`~hybrid.torch.GradientInShards` stand-in (the
     gradient is in the slices); step with :class:`~hybrid.torch.ZeRO3Optimizer`, clip with its
     ``clip_grad_norm_``.
@@ -119,8 +122,10 @@ class ZeRO3(nn.Module):
         flat = dist.get_backend(process_group) != dist.Backend.GLOO
         self._buckets = ParamBuckets(self._params, self.shards, self.rank, group=process_group,
                                      compute_dtype=param_dtype, flat_collectives=flat)
-        self._grads = GradReducer(self._params, self._names, self.shards, self.rank, group=process_group,
-                                  reduce_dtype=reduce_dtype, flat_collectives=flat,
+        for p, name in zip(self._params, self._names):
+            ParameterInShards.convert(p, name)  # its values now live in the slices
+        self._grads = GradReducer(self._buckets.work, self._names, self._params, self.shards, self.rank,
+                                  group=process_group, reduce_dtype=reduce_dtype, flat_collectives=flat,
                                   on_bucket_done=self._buckets.free)
         self._schedule = Schedule(module, self.bucket_plan, self._index_of, self._buckets, self._grads,
                                   prefetch=prefetch, reshard_after_forward=self.reshard_after_forward)
@@ -144,11 +149,18 @@ class ZeRO3(nn.Module):
         return self._schedule.order
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._grads.abandon_unfinished()
         self._grads.drop_stand_ins()
         if getattr(self._mp, "cast_forward_inputs", False):
             args, kwargs = _cast((args, kwargs), getattr(self._mp, "param_dtype", None))
         self._schedule.begin_forward()
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            # A module that raised left its working parameters in place and its buckets gathered.
+            self._schedule.swap_all(working=False)
+            self._buckets.free_all(quiet=True)
+            raise
         self._schedule.end_forward()
         return _cast(out, getattr(self._mp, "output_dtype", None))
 
@@ -174,12 +186,17 @@ class ZeRO3(nn.Module):
         try:
             for b in range(self._buckets.num_buckets):
                 self._buckets.wait(b)
+            self._schedule.swap_all(working=True)
             yield
             if writeback:
                 for b in range(self._buckets.num_buckets):
                     self._buckets.write_back(b)
-        finally:
-            self._buckets.free_all()
+        except BaseException:
+            self._schedule.swap_all(working=False)
+            self._buckets.free_all(quiet=True)  # the error in flight is the one to report
+            raise
+        self._schedule.swap_all(working=False)
+        self._buckets.free_all()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """torch's ``state_dict``, every parameter whole (keys ``module.*``, as DDP's); gathered

@@ -8,7 +8,7 @@ before it. The reduction of bucket ``b`` runs while the backward computes the ne
 waited for when the next one is launched, so at most two full gradient buckets live at a time.
 When the backward ends (a callback queued on autograd's engine) the buckets still waiting are
 reduced (a parameter that got no gradient this time counts as zero), every reduction is waited
-for, and each parameter's ``.grad`` becomes a :class:`GradientInShards` stand-in.
+for, and each user parameter's ``.grad`` becomes a :class:`GradientInShards` stand-in.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ class GradReducer:
     """Per-bucket gradient reduction into this rank's slices (``slices[b]``, float32, or None).
 
     Args:
-      params, names: the sharded parameters and their names, indexed as the plan's specs.
+      params, names: the working parameters (autograd accumulates into their ``.grad``) and the
+        names, indexed as the plan's specs.
+      shards: the user's parameters (they get the :class:`GradientInShards` stand-ins).
       shards, rank, group: the layout and the process group.
       reduce_dtype: the dtype the gradients are reduced in (None: the gradients' own).
       flat_collectives: ``reduce_scatter`` (True) or an all-reduce of which this rank keeps its
@@ -37,9 +39,11 @@ class GradReducer:
         (the backward no longer needs them: ZeRO3 frees the gathered bucket).
     """
 
-    def __init__(self, params: list[torch.Tensor], names: list[str], shards: FlatShardPlan, rank: int, *, group,
-                 reduce_dtype: torch.dtype | None, flat_collectives: bool, on_bucket_done: Callable[[int], None]):
+    def __init__(self, params: list[torch.Tensor], names: list[str], user_params: list[torch.Tensor],
+                 shards: FlatShardPlan, rank: int, *, group, reduce_dtype: torch.dtype | None,
+                 flat_collectives: bool, on_bucket_done: Callable[[int], None]):
         self.params, self.names, self.shards, self.rank, self.group = params, names, shards, rank, group
+        self.user_params = user_params
         self.world_size = shards.world_size
         self.reduce_dtype = reduce_dtype
         self.flat_collectives = flat_collectives
@@ -157,15 +161,27 @@ class GradReducer:
             while self._inflight:
                 self._finish(*self._inflight.popleft())
             if self._syncing:
-                for p, name in zip(self.params, self.names):
+                for p, name in zip(self.user_params, self.names):
                     p.grad = GradientInShards.of(p, name)
         finally:
+            self._reset()
+
+    def abandon_unfinished(self) -> None:
+        """Before a forward: forget a backward that raised before its end (autograd then skips
+        the queued callback); its reductions are dropped, its gradients are lost."""
+        if self._queued:
+            for _, _, _, flat, out in self._inflight:
+                flat.untyped_storage().resize_(0)
+                out.untyped_storage().resize_(0)
+            self._live_bytes = 0
+            for b in range(len(self._sizes)):
+                self.on_bucket_done(b)
             self._reset()
 
     def drop_stand_ins(self) -> None:
         """Before a forward: ``.grad`` back to None where it holds a stand-in (autograd must not
         accumulate into one)."""
-        for p in self.params:
+        for p in self.user_params:
             if isinstance(p.grad, GradientInShards):
                 p.grad = None
 
@@ -176,7 +192,7 @@ class GradReducer:
             for g in self.slices:
                 if g is not None:
                     g.zero_()
-        for p in self.params:
+        for p in (*self.params, *self.user_params):
             p.grad = None
 
     def reset_peak(self) -> None:

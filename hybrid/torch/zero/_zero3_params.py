@@ -5,8 +5,9 @@ The layout is :func:`hybrid.core.shard_flat` over the bucket plan, the layout of
 slices and of checkpoint files. Every parameter's ``.data`` is a view into its bucket's full
 buffer, set once. Freeing a bucket resizes that buffer's storage to zero bytes and gathering
 resizes it back, so the views, and the tensors autograd saved of them in the forward, stay valid
-across a free and a gather (torch's FSDP frees its unsharded parameters the same way). The views
-keep their own version counters: writing the buffer does not trip autograd's in-place check.
+across a free and a gather (torch's FSDP frees its unsharded parameters the same way). These
+*working* parameters are what the module computes with while it runs (``_zero3_schedule`` swaps
+them in); the user's parameter objects stand for the sharded state (``_zero3_shards``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ParamBuckets:
     """This rank's parameter slices, and the full buckets gathered from them on demand.
 
     Args:
-      params: the sharded parameters, indexed as the plan's specs.
+      params: the parameters to shard, indexed as the plan's specs; their values are read once.
       shards: the flat shard plan (one equal slice per rank of every padded bucket).
       rank, group: this rank and the process group the buckets are sharded over.
       compute_dtype: the dtype of the gathered buckets (mixed precision's ``param_dtype``), or
@@ -49,6 +50,8 @@ class ParamBuckets:
         self.flat_collectives = flat_collectives
         self.slices: list[torch.Tensor] = []
         self.full: list[torch.Tensor] = []
+        # The parameters the module computes with: views into the full buffers, one per spec.
+        self.work: list[torch.nn.Parameter] = [None] * len(params)
         self.state: list[str] = []
         self._works: dict[int, list] = {}
         self._live_bytes = 0
@@ -68,7 +71,11 @@ class ParamBuckets:
             full = torch.empty(shards.padded_length(b), dtype=compute_dtype or first.dtype, device=first.device)
             with torch.no_grad():
                 for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                    params[m].data = full[o:o + n].view(params[m].shape)
+                    # Set through .data: the view gets a version counter of its own, so writing
+                    # the buffer (a gather) does not look like an in-place change to autograd.
+                    work = torch.nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device))
+                    work.data = full[o:o + n].view(params[m].shape)
+                    self.work[m] = work
             full.untyped_storage().resize_(0)
             self.full.append(full)
             self.state.append(FREE)
@@ -122,23 +129,35 @@ class ParamBuckets:
     def wait(self, b: int) -> None:
         """Block until bucket ``b`` (being gathered, or gathered) holds every rank's slice."""
         if self.state[b] == GATHERING:
-            _wait_and_release(self._works.pop(b))
+            try:
+                _wait_and_release(self._works.pop(b))
+            except BaseException:
+                self.state[b] = READY
+                self.free(b)  # what arrived is incomplete: nothing may compute with it
+                raise
             self.state[b] = READY
         assert self.state[b] == READY, f"bucket {b} is {self.state[b]}, not gathered"
 
-    def free(self, b: int) -> None:
-        """Release bucket ``b``'s full buffer (after its gather, if one is in flight)."""
+    def free(self, b: int, *, quiet: bool = False) -> None:
+        """Release bucket ``b``'s full buffer (after its gather, if one is in flight: the backend
+        must not write into freed memory). ``quiet``: on an error path, a failed gather is not
+        raised again (the error being handled is the one to report)."""
         if self.state[b] == FREE:
             return
         if self.state[b] == GATHERING:
-            self.wait(b)
+            try:
+                self.wait(b)
+            except RuntimeError:
+                if not quiet:
+                    raise
+                return  # wait() freed it
         self.full[b].untyped_storage().resize_(0)
         self._live_bytes -= self._nbytes(b)
         self.state[b] = FREE
 
-    def free_all(self) -> None:
+    def free_all(self, *, quiet: bool = False) -> None:
         for b in range(self.num_buckets):
-            self.free(b)
+            self.free(b, quiet=quiet)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self._live_bytes

@@ -2,8 +2,10 @@
 
 A module *needs* the buckets holding its own parameters (``module._parameters``; a tied parameter
 is needed by every module that holds it). Its forward pre-hook gathers them (starting the
-gathers of the next ``prefetch`` buckets in the forward order before waiting), and its forward
-hook frees a bucket once every module that needs it has run in this forward. The backward
+gathers of the next ``prefetch`` buckets in the forward order before waiting) and puts the
+working parameters (views into the gathered buckets) in the module's ``_parameters``; its forward
+hook puts the user's sharded stand-ins back, and frees a bucket once every module that needs it
+has run in this forward. The backward
 mirrors it: a hook on the module's outputs fires when their gradient arrives, just before the
 module's own backward, and gathers its buckets again (and prefetches the next ones in the
 reverse order); a bucket is freed once its gradients are all accumulated.
@@ -33,14 +35,20 @@ class Schedule:
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.needs: dict[nn.Module, tuple[int, ...]] = {}
         self._specs_of: dict[nn.Module, tuple[int, ...]] = {}
+        self._owned: dict[nn.Module, list[tuple[str, int]]] = {}  # (attribute, spec index)
         self._users: list[set[nn.Module]] = [set() for _ in plan.buckets]
         self._handles = []
+        self._user_params: dict[int, nn.Parameter] = {}
         for m in module.modules():
-            specs = tuple(index_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in index_of)
-            if not specs:
+            owned = [(name, index_of[id(p)]) for name, p in m._parameters.items()
+                     if p is not None and id(p) in index_of]
+            if not owned:
                 continue
+            for name, i in owned:
+                self._user_params[i] = m._parameters[name]
+            specs = tuple(i for _, i in owned)
             bs = tuple(sorted({plan.locate(i)[0] for i in specs}))
-            self.needs[m], self._specs_of[m] = bs, specs
+            self.needs[m], self._specs_of[m], self._owned[m] = bs, specs, owned
             for b in bs:
                 self._users[b].add(m)
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
@@ -69,6 +77,18 @@ class Schedule:
                 self._seen.add(i)
                 self._first_use.append(i)
         self._gather(self.needs[module], self.order, self._fwd_pos, "forward")
+        self._swap(module, working=True)
+
+    def _swap(self, module: nn.Module, *, working: bool) -> None:
+        """Hold the working parameters (views into the gathered buckets) on the module while it
+        runs, the user's sharded stand-ins otherwise."""
+        params = module._parameters
+        for name, i in self._owned[module]:
+            params[name] = self.buckets.work[i] if working else self._user_params[i]
+
+    def swap_all(self, *, working: bool) -> None:
+        for m in self._owned:
+            self._swap(m, working=working)
 
     def _gather(self, needed: tuple[int, ...], order: tuple[int, ...], pos: dict[int, int], phase: str) -> None:
         """Gather ``needed`` (and prefetch the next buckets of ``order``), then wait for ``needed``."""
@@ -83,6 +103,7 @@ class Schedule:
 
     def _post_forward(self, module: nn.Module, args, output):
         del args
+        self._swap(module, working=False)
         needed = self.needs[module]
         for b in needed:
             self._done[b].add(module)
