@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from hybrid.core._buckets import BucketPlan
+from hybrid.core._buckets import BucketPlan, plan_buckets, rebuild_plan
 from hybrid.core._dtypes import itemsize
 from hybrid.core._shard import FlatShardPlan
 from hybrid.core._spec import check_specs
@@ -163,3 +163,30 @@ def zero3_bucket_cap(specs) -> int:
     """
     total = sum(s.nbytes for s in check_specs(specs))
     return min(ZERO3_CAP_CEILING, max(ZERO3_CAP_FLOOR, total // ZERO3_BUCKETS))
+
+
+def zero3_plan(specs, *, bucket_cap_bytes: int | None = None) -> BucketPlan:
+    """Stage 3's bucket plan: the tensors assigned in reverse registration order, the buckets in
+    that order (bucket 0 the last layers), caps ``(min(1 MiB, cap), cap)`` with ``cap``
+    :func:`zero3_bucket_cap` by default.
+
+    It is the plan DDP rebuilds after its first iteration when gradients arrive in reverse
+    registration order, and a bucket is the unit of gathering here: assigned backwards, a bucket
+    closes after the tensor that fills it, which is a module's first tensor (its weight), so a
+    module's tensors share a bucket unless they exceed the cap. ``plan_buckets`` assigns forwards,
+    as DDP's first plan does, and would put a layer's bias with the next layer's weight: every
+    layer would need two buckets gathered.
+
+    >>> from hybrid.core import TensorSpec
+    >>> specs = [TensorSpec(n, s, "float32") for n, s in [("0.w", (64, 64)), ("0.b", (64,)),
+    ...                                                   ("1.w", (64, 64)), ("1.b", (64,))]]
+    >>> [[specs[m].name for m in b] for b in zero3_plan(specs, bucket_cap_bytes=8192).bucket_indices()]
+    [['1.b', '1.w'], ['0.b', '0.w']]
+    >>> [[specs[m].name for m in b] for b in plan_buckets(specs, bucket_cap_bytes=8192).bucket_indices()]
+    [['1.b'], ['0.b', '1.w'], ['0.w']]
+    """
+    specs = check_specs(specs)
+    cap = zero3_bucket_cap(specs) if bucket_cap_bytes is None else int(bucket_cap_bytes)
+    first = min(1 << 20, cap)
+    plan = plan_buckets(specs, bucket_cap_bytes=cap, first_bucket_cap_bytes=first)
+    return rebuild_plan(plan, list(reversed(range(len(specs)))), size_limits=(first, cap) if first < cap else (cap,))

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from hybrid.core import (BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, plan_buckets, shard_flat,
-                         zero3_bucket_cap)
+from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, shard_flat, zero3_plan
 from hybrid.torch.ddp._parts import _reduced_parameters
 from hybrid.torch.zero._zero3_grads import GradReducer
 from hybrid.torch.zero._zero3_params import ParamBuckets
@@ -62,8 +61,9 @@ class ZeRO3(nn.Module):
       process_group: the ranks to shard over (default: the world).
       bucket_cap_mb: the plan's bucket cap (a bucket is the unit of gathering and of reduction);
         default :func:`hybrid.core.zero3_bucket_cap`: a 16th of the parameters' bytes, within
-        0.25 and 25 MiB. Bucket 0 of the plan (the last layers) is capped at ``min(1, cap)`` MiB,
-        as in DDP. Smaller buckets hold less gathered at a time and cost more collectives.
+        0.25 and 25 MiB. The plan is :func:`hybrid.core.zero3_plan` (a module's parameters share
+        a bucket; bucket 0, the last layers, capped at ``min(1, cap)`` MiB as in DDP). Smaller
+        buckets hold less gathered at a time and cost more collectives.
       prefetch: how many buckets ahead to gather while a bucket computes (>= 0).
       reshard_after_forward: free buckets after the forward and gather them again in the
         backward (True, FSDP's default), or keep them from the forward to the backward.
@@ -115,8 +115,8 @@ class ZeRO3(nn.Module):
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         # Names and dtypes as saved (device-less): the plan is the checkpoint's plan too.
         specs = [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype)) for n, p in named]
-        cap = zero3_bucket_cap(specs) if bucket_cap_mb is None else int(bucket_cap_mb * MiB)
-        self.bucket_plan: BucketPlan = plan_buckets(specs, bucket_cap_bytes=cap, first_bucket_cap_bytes=min(MiB, cap))
+        self.bucket_plan: BucketPlan = zero3_plan(
+            specs, bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * MiB))
         self.shards: FlatShardPlan = shard_flat(self.bucket_plan, self.world_size)
         # gloo's reduce-scatter and all-gather are slower than its all-reduce and broadcasts (see ZeRO2).
         flat = dist.get_backend(process_group) != dist.Backend.GLOO

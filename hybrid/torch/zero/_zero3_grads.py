@@ -5,7 +5,8 @@ A post-accumulate-grad hook per parameter counts a bucket's gradients. Buckets a
 order (bucket 0 first, as DDP does: the plan's order is the order the backward makes them ready),
 so every rank issues the same collectives in the same order; a bucket ready early waits for those
 before it. The reduction of bucket ``b`` runs while the backward computes the next one; it is
-waited for when the next one is launched, so at most two full gradient buckets live at a time.
+waited for when the next one is launched, before that one's buffer is made, so one full gradient
+bucket lives at a time (besides the gradients autograd is accumulating for the next).
 When the backward ends (a callback queued on autograd's engine) the buckets still waiting are
 reduced (a parameter that got no gradient this time counts as zero), every reduction is waited
 for, and each user parameter's ``.grad`` becomes a :class:`GradientInShards` stand-in.
@@ -102,6 +103,10 @@ class GradReducer:
 
     @torch.no_grad()
     def _launch(self, b: int) -> None:
+        # The previous bucket's reduction ran during this bucket's backward: take its slice
+        # before this bucket's buffer exists, so that one full gradient bucket is alive at a time.
+        while self._inflight:
+            self._finish(*self._inflight.popleft())
         bucket = self.shards.bucket_plan.buckets[b]
         first = self.params[bucket.members[0]]
         dtype = self.reduce_dtype or first.dtype
@@ -133,10 +138,6 @@ class GradReducer:
             what = f"ZeRO3 backward: the all-reduce of gradient bucket {b}"
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._inflight.append((b, what, work, flat, out))
-        # The previous bucket's reduction ran during this bucket's backward: take its slice now,
-        # so that no more than two full gradient buckets are alive.
-        while len(self._inflight) > 1:
-            self._finish(*self._inflight.popleft())
 
     def _finish(self, b: int, what: str, work, flat: torch.Tensor, out: torch.Tensor) -> None:
         if work is not None:
