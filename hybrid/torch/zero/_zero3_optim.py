@@ -82,6 +82,16 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
 
+    @torch.no_grad()
+    def _refresh_masters(self) -> None:
+        """After the slices were set from outside (a checkpoint): the float32 copies of
+        lower-precision slices follow (float32 masters are the slices themselves)."""
+        slices = self.module._buckets.slices
+        for seg, master in zip(self._segments, self._masters):
+            mine = slices[seg.bucket][seg.lo:seg.hi]
+            if master.data_ptr() != mine.data_ptr():
+                master.copy_(mine)
+
     def grad_numel(self) -> int:
         """Elements of gradient this rank keeps between backward and step (its slices)."""
         return sum(g.numel() for g in self.module._grads.slices if g is not None)
