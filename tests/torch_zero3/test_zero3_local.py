@@ -126,8 +126,9 @@ def test_state_dict_arguments(world_of_one):
     assert list(model.state_dict(prefix="x.")) == [f"x.module.{k}" for k in _mlp().state_dict()]
 
 
-def test_memory_stats_count_slices_and_gathered_buckets(world_of_one):
-    """A world of one holds every slice whole; the peak gathered is the prefetch window."""
+def test_memory_stats_count_slices_and_the_working_set(world_of_one):
+    """A world of one holds every slice whole; the working set is the prefetch window and a
+    gradient bucket."""
     model = ZeRO3(torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(4)]),
                   bucket_cap_mb=200 / 2**20)
     opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
@@ -135,7 +136,9 @@ def test_memory_stats_count_slices_and_gathered_buckets(world_of_one):
     model(torch.ones(2, 8)).sum().backward()
     stats = model.memory_stats()
     assert stats["param_slices"] == stats["grad_slices"] == 4 * 64 * 4
-    assert stats["gathered"] == 2 * 64 * 4  # a bucket and the one prefetched
+    # Two buckets gathered (one computing, one prefetched), then in the backward one gathered, one
+    # prefetched and the gradient bucket of the one before: at most 3 buckets of 64 floats.
+    assert stats["working_set"] == 3 * 64 * 4
     opt.step()
     opt.zero_grad()
     assert model.memory_stats()["grad_slices"] == 0

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, shard_flat, zero3_plan
 from hybrid.torch.ddp._parts import _reduced_parameters
 from hybrid.torch.zero._zero3_grads import GradReducer
-from hybrid.torch.zero._zero3_params import ParamBuckets
+from hybrid.torch.zero._zero3_params import ParamBuckets, WorkingSet
 from hybrid.torch.zero._zero3_schedule import Schedule
 from hybrid.torch.zero._zero3_shards import ParameterInShards
 
@@ -120,13 +120,14 @@ class ZeRO3(nn.Module):
         self.shards: FlatShardPlan = shard_flat(self.bucket_plan, self.world_size)
         # gloo's reduce-scatter and all-gather are slower than its all-reduce and broadcasts (see ZeRO2).
         flat = dist.get_backend(process_group) != dist.Backend.GLOO
+        self._working = WorkingSet()
         self._buckets = ParamBuckets(self._params, self.shards, self.rank, group=process_group,
-                                     compute_dtype=param_dtype, flat_collectives=flat)
+                                     compute_dtype=param_dtype, flat_collectives=flat, working=self._working)
         for p, name in zip(self._params, self._names):
             ParameterInShards.convert(p, name)  # its values now live in the slices
         self._grads = GradReducer(self._buckets.work, self._names, self._params, self.shards, self.rank,
                                   group=process_group, reduce_dtype=reduce_dtype, flat_collectives=flat,
-                                  on_bucket_done=self._buckets.free)
+                                  on_bucket_done=self._buckets.free, working=self._working)
         self._schedule = Schedule(module, self.bucket_plan, self._index_of, self._buckets, self._grads,
                                   prefetch=prefetch, reshard_after_forward=self.reshard_after_forward)
         self._sync_buffers()
@@ -226,13 +227,12 @@ class ZeRO3(nn.Module):
         return result
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now: ``param_slices``, ``grad_slices``; and the most bytes of
-        ``gathered`` parameter buckets and of full ``gradient_buckets`` held at once since the
-        last :meth:`reset_peak_memory_stats`."""
+        """Bytes this rank holds now: ``param_slices``, ``grad_slices``; and ``working_set``, the
+        most bytes of full buckets (parameters gathered, gradients being reduced) alive at once
+        since the last :meth:`reset_peak_memory_stats` (see :func:`hybrid.core.zero3_memory`)."""
         return {"param_slices": sum(s.numel() * s.element_size() for s in self._buckets.slices),
                 "grad_slices": sum(g.numel() * g.element_size() for g in self._grads.slices if g is not None),
-                "gathered": self._buckets.peak_bytes, "gradient_buckets": self._grads.peak_bytes}
+                "working_set": self._working.peak}
 
     def reset_peak_memory_stats(self) -> None:
-        self._buckets.reset_peak()
-        self._grads.reset_peak()
+        self._working.reset_peak()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hybrid.core import FlatShardPlan
 from hybrid.torch._collectives import reduce_scatter_into, wait_all
 from hybrid.torch.zero._zero2_grads import GradientInShards
+from hybrid.torch.zero._zero3_params import WorkingSet
 
 
 class GradReducer:
@@ -38,11 +39,12 @@ class GradReducer:
         slice, which is faster on gloo (see ZeRO2).
       on_bucket_done: called with ``b`` once bucket ``b``'s parameters have all their gradients
         (the backward no longer needs them: ZeRO3 frees the gathered bucket).
+      working: counts the full gradient buckets' bytes.
     """
 
     def __init__(self, params: list[torch.Tensor], names: list[str], user_params: list[torch.Tensor],
                  shards: FlatShardPlan, rank: int, *, group, reduce_dtype: torch.dtype | None,
-                 flat_collectives: bool, on_bucket_done: Callable[[int], None]):
+                 flat_collectives: bool, on_bucket_done: Callable[[int], None], working: WorkingSet):
         self.params, self.names, self.shards, self.rank, self.group = params, names, shards, rank, group
         self.user_params = user_params
         self.world_size = shards.world_size
@@ -54,8 +56,7 @@ class GradReducer:
         self._sizes = [len(b.members) for b in plan.buckets]
         self.slices: list[torch.Tensor | None] = [None] * plan.num_buckets
         self.sync = True  # False under ZeRO3.no_sync(): gradients stay local, in .grad
-        self.peak_bytes = 0  # most bytes of full gradient buckets held at once since reset_peak()
-        self._live_bytes = 0
+        self.working = working
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
 
@@ -124,8 +125,7 @@ class GradReducer:
             end = o + n
         flat[end:].zero_()
         flat.div_(self.world_size)  # DDP's mean: divide, then sum
-        self._live_bytes += flat.numel() * flat.element_size()
-        self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+        self.working.add(flat.numel() * flat.element_size())
         start, stop = self.shards.shard_range(b, self.rank)
         if self.world_size == 1:
             work, out, what = None, flat[start:stop], ""
@@ -151,7 +151,7 @@ class GradReducer:
         # whenever the backend's thread lets go of the work.
         for t in (flat, out):
             t.untyped_storage().resize_(0)
-        self._live_bytes -= flat.numel() * flat.element_size()
+        self.working.sub(flat.numel() * flat.element_size())
 
     def _end_backward(self) -> None:
         try:
@@ -172,9 +172,9 @@ class GradReducer:
         the queued callback); its reductions are dropped, its gradients are lost."""
         if self._queued:
             for _, _, _, flat, out in self._inflight:
+                self.working.sub(flat.untyped_storage().nbytes())
                 flat.untyped_storage().resize_(0)
                 out.untyped_storage().resize_(0)
-            self._live_bytes = 0
             for b in range(len(self._sizes)):
                 self.on_bucket_done(b)
             self._reset()
@@ -196,5 +196,3 @@ class GradReducer:
         for p in (*self.params, *self.user_params):
             p.grad = None
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self._live_bytes

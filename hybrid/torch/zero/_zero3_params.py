@@ -21,6 +21,24 @@ from hybrid.torch._collectives import all_gather_into, wait_all
 FREE, GATHERING, READY = "free", "gathering", "ready"
 
 
+class WorkingSet:
+    """Bytes of full buckets alive now (parameters gathered, gradients being reduced) and the
+    most alive at once since :meth:`reset_peak`: what ZeRO-3 holds beyond its slices."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
 def _wait_and_release(works: list) -> None:
     """Wait for a gather's ``(what, work)`` pairs; free the send buffers it made (a cast copy of
     the slice) now, rather than whenever the backend's thread lets go of the work."""
@@ -41,10 +59,11 @@ class ParamBuckets:
         None for the parameters' own.
       flat_collectives: gather with ``all_gather`` (True) or with one broadcast per rank, which is
         faster on gloo (see ZeRO2).
+      working: counts the gathered buckets' bytes.
     """
 
     def __init__(self, params: list[torch.Tensor], shards: FlatShardPlan, rank: int, *, group,
-                 compute_dtype: torch.dtype | None, flat_collectives: bool):
+                 compute_dtype: torch.dtype | None, flat_collectives: bool, working: WorkingSet):
         self.shards, self.rank, self.group = shards, rank, group
         self.world_size = shards.world_size
         self.flat_collectives = flat_collectives
@@ -54,8 +73,7 @@ class ParamBuckets:
         self.work: list[torch.nn.Parameter] = [None] * len(params)
         self.state: list[str] = []
         self._works: dict[int, list] = {}
-        self._live_bytes = 0
-        self.peak_bytes = 0  # most bytes of full buckets held at once since the last reset_peak()
+        self.working = working
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for b, bucket in enumerate(shards.bucket_plan.buckets):
             # DDP's start: every rank takes rank 0's values. One full bucket at a time.
@@ -93,8 +111,7 @@ class ParamBuckets:
             return
         full = self.full[b]
         full.untyped_storage().resize_(self._nbytes(b))
-        self._live_bytes += self._nbytes(b)
-        self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+        self.working.add(self._nbytes(b))
         self.state[b] = GATHERING
         self._works[b] = self._issue(full, b, phase)
 
@@ -152,15 +169,12 @@ class ParamBuckets:
                     raise
                 return  # wait() freed it
         self.full[b].untyped_storage().resize_(0)
-        self._live_bytes -= self._nbytes(b)
+        self.working.sub(self._nbytes(b))
         self.state[b] = FREE
 
     def free_all(self, *, quiet: bool = False) -> None:
         for b in range(self.num_buckets):
             self.free(b, quiet=quiet)
-
-    def reset_peak(self) -> None:
-        self.peak_bytes = self._live_bytes
 
     @torch.no_grad()
     def write_back(self, b: int) -> None:
