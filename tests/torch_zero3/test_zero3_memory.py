@@ -2,9 +2,9 @@
 every thread), at world sizes 2, 3 and 4, beside torch's DDP and FSDP2 on the same model.
 
 - Between steps a rank holds its parameter slices and Adam's two moments of them, nothing else:
-  exactly ``12 * sum(shard_sizes)`` bytes (+ Adam's 4-byte step counter per flat run and each
-  parameter's one-element stand-in), i.e. a ``1/N`` of DDP's parameters and state plus under one
-  element of padding per bucket and rank.
+  exactly ``12 * sum(shard_sizes)`` bytes (+ Adam's 4-byte step counter per flat run and the
+  one-element stand-ins of each parameter and its gradient), i.e. a ``1/N`` of DDP's parameters
+  and state plus under one element of padding per bucket and rank.
 - During a step the gathered working set (full parameter buckets and full gradient buckets
   alive at once) stays within :func:`hybrid.core.zero3_memory`'s stated bound.
 - The peak of live tensor bytes over a whole step is no higher than FSDP2's (``fully_shard`` per
@@ -18,7 +18,7 @@ import torch
 
 from tests._procs import forkserver_ranks
 
-WIDTHS = (384, 512, 256, 384, 192)  # 4 layers, 0.49 M parameters
+WIDTHS = (768, 1024, 512, 768, 384)  # 4 layers of 1.2-3.1 MB: 2 M parameters, a bucket per layer
 
 
 def _mlp():
@@ -104,8 +104,9 @@ def test_memory_per_rank(live_counter, world):
               f"peak DDP {ddp['peak']} FSDP2 {fsdp['peak']} ZeRO3 {z['peak']}; ZeRO3 working set {z['working']} "
               f"<= {z['bound']} over {z['buckets']} buckets")
         # Parameters and Adam's moments, float32: 1/N of DDP's 12 bytes per parameter, plus padding;
-        # Adam's step counter per flat run, and each parameter's stand-in (one element).
-        assert z["held"] == 12 * z["padded"] + 4 * z["runs"] + 4 * 8, z
+        # Adam's step counter per flat run, and one element for each of the 8 parameters' stand-in
+        # and its gradient's.
+        assert z["held"] == 12 * z["padded"] + 4 * z["runs"] + 2 * 4 * 8, z
         assert 12 * z["padded"] < 12 * (numel / world + z["buckets"]), (z, numel)
         assert ddp["held"] >= 12 * numel  # DDP: parameters and state (and its gradient buckets)
         assert z["working"] <= z["bound"], z

@@ -61,7 +61,7 @@ class ZeRO3(nn.Module):
       process_group: the ranks to shard over (default: the world).
       bucket_cap_mb: the plan's bucket cap (a bucket is the unit of gathering and of reduction);
         default :func:`hybrid.core.zero3_bucket_cap`: a 16th of the parameters' bytes, within
-        0.25 and 25 MiB. The plan is :func:`hybrid.core.zero3_plan` (a module's parameters share
+        1 and 25 MiB. The plan is :func:`hybrid.core.zero3_plan` (a module's parameters share
         a bucket; bucket 0, the last layers, capped at ``min(1, cap)`` MiB as in DDP). Smaller
         buckets hold less gathered at a time and cost more collectives.
       prefetch: how many buckets ahead to gather while a bucket computes (>= 0).

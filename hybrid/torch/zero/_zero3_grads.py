@@ -47,6 +47,10 @@ class GradReducer:
                  flat_collectives: bool, on_bucket_done: Callable[[int], None], working: WorkingSet):
         self.params, self.names, self.shards, self.rank, self.group = params, names, shards, rank, group
         self.user_params = user_params
+        # One stand-in per parameter, made once (they are immutable), set without going through
+        # the sharded parameters' __torch_function__ (a per-parameter cost every step otherwise).
+        self._stand_ins = [GradientInShards.of(p, n) for p, n in zip(user_params, names)]
+        self._stand_ins_set = False
         self.world_size = shards.world_size
         self.reduce_dtype = reduce_dtype
         self.flat_collectives = flat_collectives
@@ -162,8 +166,7 @@ class GradReducer:
             while self._inflight:
                 self._finish(*self._inflight.popleft())
             if self._syncing:
-                for p, name in zip(self.user_params, self.names):
-                    p.grad = GradientInShards.of(p, name)
+                self._set_user_grads(self._stand_ins)
         finally:
             self._reset()
 
@@ -182,9 +185,14 @@ class GradReducer:
     def drop_stand_ins(self) -> None:
         """Before a forward: ``.grad`` back to None where it holds a stand-in (autograd must not
         accumulate into one)."""
-        for p in self.user_params:
-            if isinstance(p.grad, GradientInShards):
-                p.grad = None
+        if self._stand_ins_set:
+            self._set_user_grads(None)
+
+    def _set_user_grads(self, grads) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            for i, p in enumerate(self.user_params):
+                p.grad = None if grads is None else grads[i]
+        self._stand_ins_set = grads is not None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none:
@@ -193,6 +201,7 @@ class GradReducer:
             for g in self.slices:
                 if g is not None:
                     g.zero_()
-        for p in (*self.params, *self.user_params):
+        for p in self.params:
             p.grad = None
+        self._set_user_grads(None)
 
