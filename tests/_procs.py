@@ -6,6 +6,7 @@ import queue
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,17 @@ def forkserver_ranks(target, args, num_reports: int, *, world: int = 2, wait_s: 
             if p.is_alive():
                 p.kill()
     return reports, procs
+
+
+def report_outcome(rank: int, out, step) -> None:
+    """Run ``step()`` and put ``(rank, outcome, seconds)`` on ``out``: "returned", or the error it
+    raised as ``"Type: message"`` (what a fault test's survivor raises is the test's subject)."""
+    t0 = time.monotonic()
+    try:
+        step()
+        out.put((rank, "returned", time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
 
 
 def finish(procs, what: str, *, timeout_s: float) -> list[str]:

@@ -1,4 +1,4 @@
-"""``python -m hybrid bench zero``: ZeRO-1 and ZeRO-2 memory per rank, and step time, vs DDP + Adam.
+"""``python -m hybrid bench zero``: ZeRO-1, -2 and -3 memory per rank, and step time, vs DDP + Adam.
 
 Two gloo processes on this machine, one MLP, Adam. Variants, each a full training step
 (forward, backward, gradient reduction, optimizer step, zero_grad), interleaved A, B, C, ...
@@ -10,6 +10,8 @@ so drift hits all of them alike:
   partition, parameters broadcast by their owners);
 - ``hybrid_zero2``: hybrid DDP + hybrid's ZeRO2(Adam) (buckets reduced, each rank keeps and
   updates its flat slices, parameters gathered);
+- ``hybrid_zero3``: hybrid's ZeRO3 + ZeRO3Optimizer(Adam) (parameters sharded too: gathered per
+  bucket while used); its memory and step time beside DDP and FSDP2 are the stage-3 part below;
 - ``hybrid_overlap`` / ``hybrid_overlap_interleaved``: hybrid DDP + ZeroRedundancyOptimizer(Adam,
   overlap_with_ddp=True) stepped inside backward by ``hook_with_zero_step`` / ``_interleaved``
   (torch's own refuse gloo, so they have no torch counterpart here); ``hybrid_overlap_shard``
@@ -24,6 +26,9 @@ DDP's own communication buckets (full size in every variant, as in torch) are li
 
 ``torch_zero1`` is stepped a second time in every round (``torch_zero1'``, right after
 ``hybrid_zero1``) for the A/A row of the ratio table: the reference against itself.
+
+Then the stage-3 part (``hybrid.bench._zero3``): ZeRO-3 beside DDP, FSDP2, ZeRO-1 and ZeRO-2 on
+the MLP and on 100 small layers, at 2 and 3 ranks: allocator-counted memory and step times.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ from hybrid._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 WORLD_SIZE = 2
-VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_overlap", "hybrid_overlap_shard",
-            "hybrid_overlap_interleaved", "hybrid_zero1_auto", "hybrid_zero2_auto")
+VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "hybrid_overlap",
+            "hybrid_overlap_shard", "hybrid_overlap_interleaved", "hybrid_zero1_auto", "hybrid_zero2_auto")
 AUTO = {"hybrid_zero1_auto": "hybrid_zero1", "hybrid_zero2_auto": "hybrid_zero2"}  # auto caps -> torch's caps
 REFERENCE = "torch_zero1"
 # The order of a round: the reference again right after hybrid_zero1, as hybrid_zero1 follows it.
@@ -71,7 +76,7 @@ def _state_bytes(opt) -> int:
 
 
 def _grad_bytes(model: nn.Module, opt) -> int:
-    if hasattr(opt, "grad_numel"):  # ZeRO2 keeps float32 slices; .grad is None
+    if hasattr(opt, "grad_numel"):  # ZeRO2 and ZeRO3 keep float32 slices; .grad is a stand-in
         return 4 * opt.grad_numel()
     return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
 
@@ -111,6 +116,10 @@ def _build(name: str, widths: tuple[int, ...]):
     if name in ("hybrid_zero2", "hybrid_zero2_auto"):
         ddp = DistributedDataParallel(model, **caps)
         return model, ddp, ZeRO2(ddp, torch.optim.Adam, lr=lr)
+    if name == "hybrid_zero3":
+        from hybrid.torch import ZeRO3, ZeRO3Optimizer
+        zero3 = ZeRO3(model)
+        return model, zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=lr)
     if name in ("hybrid_overlap", "hybrid_overlap_shard", "hybrid_overlap_interleaved"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -170,18 +179,53 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25)")
     parser.add_argument("--widths", type=str, default=None,
                         help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
+    parser.add_argument("--part", choices=("all", "1-2", "3"), default="all",
+                        help="the ZeRO-1/2 part, the stage-3 part, or both (default)")
+    parser.add_argument("--worlds", type=str, default="2,3", help="world sizes of the stage-3 part (default 2,3)")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 25)
+    if args.part in ("all", "1-2"):
+        _zero12(args, reps)
+    if args.part in ("all", "3"):
+        _stage3(args, reps)
+    return 0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stage3(args, reps: int) -> None:
+    from hybrid.bench import _zero3
+
+    worlds = tuple(int(w) for w in args.worlds.split(","))
+    models = _zero3.QUICK_MODELS if args.quick else _zero3.MODELS
+    outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero3_")
+    results = {}
+    for world in worlds:
+        mp.spawn(_zero3.worker, args=(world, _port(), outdir, models, 32, reps, 3), nprocs=world, join=True)
+        ranks = [torch.load(os.path.join(outdir, f"stage3-world{world}-rank{r}.pt")) for r in range(world)]
+        results.update({(model, world): ranks for model in models})
+    print("\n# stage 3: ZeRO3 beside DDP, FSDP2 (fully_shard per layer), ZeRO-1 and ZeRO-2, Adam, batch 32, gloo")
+    for model, widths in models.items():
+        n = sum(a * b + b for a, b in zip(widths, widths[1:]))
+        print(f"{model}: {len(widths) - 1} Linear layers, {n} parameters (float32)")
+    print("\nmemory per rank, counted by the CPU allocator (the larger rank): held between steps, peak in a step")
+    print(_zero3.memory_report(results))
+    print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
+    print(_zero3.step_report(results))
+
+
+def _zero12(args, reps: int) -> None:
     default = "256,384,192,256" if args.quick else "1536,2048,1024,1536,768"
     widths = tuple(int(w) for w in (args.widths or default).split(","))
     if len(widths) < 2 or min(widths) < 1:
         raise ValueError(f"--widths needs at least two positive widths, got {args.widths!r}")
     batch = 32
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero_")
-    mp.spawn(_worker, args=(WORLD_SIZE, port, outdir, widths, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(WORLD_SIZE, _port(), outdir, widths, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
     results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD_SIZE)]
     r0 = results[0]
     n = r0["numel"]
@@ -208,7 +252,6 @@ def main(argv: list[str]) -> int:
 
     print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
     print(step_report(r0["times"]))
-    return 0
 
 
 def step_report(times: dict) -> str:

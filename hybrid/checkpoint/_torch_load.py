@@ -16,7 +16,7 @@ from torch import nn
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint._torch_state import (
-    TORCH_KEY_OF_SLOT, _group_sizes, _inner, _params_in_state_order, _specs, _torch, _unwrap, expected_slots,
+    TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap, expected_slots,
     kept_states, named_buffers, named_parameters, param_names_by_group)
 
 _NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")
@@ -117,6 +117,10 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
     if hyperparameters not in ("checkpoint", "optimizer"):
         raise ValueError(f"load: hyperparameters={hyperparameters!r}; expected 'checkpoint' (restore the saved "
                          f"ones, as torch does) or 'optimizer' (keep the optimizer's own)")
+    if _is_zero3(module):  # each rank reads the elements of its own slices
+        from hybrid.checkpoint._torch_zero3 import load_zero3
+        return load_zero3(path, module, optimizer, scheduler=scheduler, hyperparameters=hyperparameters,
+                          buffers=buffers)
     ckpt = Checkpoint(path)
     named = named_parameters(module)
     what = type(_unwrap(module)).__name__
@@ -177,15 +181,12 @@ def _restored_groups(ckpt: Checkpoint, optimizer, group_names: list[list[str]]) 
     return out
 
 
-def _optimizer_state_dict(ckpt: Checkpoint, named, optimizer, hyperparameters: str) -> dict[str, Any]:
+def saved_groups(ckpt: Checkpoint, optimizer, name_of: dict[int, str], hyperparameters: str):
+    """``(the checkpoint's OptimizerInfo, the hyperparameters each param group gets)``, once the
+    saved state is known to fit ``optimizer`` (its slots, AMSGrad's ``max_nu``)."""
     info = ckpt.manifest.optimizer
     if info is None:
         raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")
-    name_of = {id(p): n for n, p in named}
-    order = _params_in_state_order(optimizer)
-    unknown = [i for i, p in enumerate(order) if id(p) not in name_of]
-    if unknown:
-        raise CheckpointError(f"the optimizer steps {len(unknown)} tensors that are not parameters of the model")
     group_names = param_names_by_group(optimizer, name_of)
     groups = (_restored_groups(ckpt, optimizer, group_names) if hyperparameters == "checkpoint"
               else [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
@@ -199,6 +200,16 @@ def _optimizer_state_dict(ckpt: Checkpoint, named, optimizer, hyperparameters: s
             if lacking:
                 raise CheckpointError(f"{ckpt.path}: parameters {lacking} are in an AMSGrad group, but were saved "
                                       f"without AMSGrad's max_exp_avg_sq")
+    return info, groups
+
+
+def _optimizer_state_dict(ckpt: Checkpoint, named, optimizer, hyperparameters: str) -> dict[str, Any]:
+    name_of = {id(p): n for n, p in named}
+    order = _params_in_state_order(optimizer)
+    unknown = [i for i, p in enumerate(order) if id(p) not in name_of]
+    if unknown:
+        raise CheckpointError(f"the optimizer steps {len(unknown)} tensors that are not parameters of the model")
+    info, groups = saved_groups(ckpt, optimizer, name_of, hyperparameters)
     position = {n: i for i, n in enumerate(s.name for s in ckpt.manifest.plan.specs)}
     like_of = dict(named)
     kept = kept_states(optimizer)  # a ZeRO-1 rank keeps (so reads) only the state it owns

@@ -21,8 +21,9 @@ from hybrid.checkpoint._files import storage_dtype, write_shard
 from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous, remove_previous_shards
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
+from hybrid.checkpoint._torch_zero3 import save_zero3
 from hybrid.checkpoint._torch_state import (
-    _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _local_states, _numpy,
+    _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3, _local_states, _numpy,
     _slots_and_count, _specs, expected_slots, named_buffers, named_parameters, optimizer_info)
 
 def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: int, process_group=None,
@@ -39,11 +40,14 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
 
     Args:
       path: the checkpoint directory; an existing one is replaced only once the save is complete.
-      module: the model, bare or wrapped in (hybrid's or torch's) DistributedDataParallel. Its
-        persistent buffers (BatchNorm statistics, ...) are saved once, from rank 0's copy.
+      module: the model, bare or wrapped in (hybrid's or torch's) DistributedDataParallel, or a
+        ``hybrid.torch.ZeRO3`` (each rank then writes its slices as they are, with ZeRO3's plan:
+        nothing is gathered). Its persistent buffers (BatchNorm statistics, ...) are saved
+        once, from rank 0's copy.
       optimizer: a ``hybrid.torch.ZeroRedundancyOptimizer`` (also with overlap hooks), ``ZeRO2``,
-        torch's ``ZeroRedundancyOptimizer`` or a plain Adam / AdamW (AMSGrad too) / SGD; None
-        saves no optimizer state. Parameters without state yet are recorded as such.
+        ``ZeRO3Optimizer`` (with its ZeRO3), torch's ``ZeroRedundancyOptimizer`` or a plain Adam
+        / AdamW (AMSGrad too) / SGD; None saves no optimizer state. Parameters without state
+        yet are recorded as such.
       step: the training step to record (returned by :func:`load`).
       process_group: the group that shards the state (default: the world, if initialised).
       world_size: only without a process group: how many rank files to write.
@@ -60,6 +64,10 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
     >>> save(d, model, opt, step=1, world_size=2, state={"epoch": 3}).optimizer.slots
     ('mu', 'nu')
     """
+    if _is_zero3(module):  # each rank writes its slices as they are: nothing is gathered
+        return save_zero3(path, module, optimizer, step=step, extras=dict(
+            metadata=metadata, buffers={n: _numpy(b) for n, b in named_buffers(module)},
+            run_state=_run_state(scheduler, state)))
     named = named_parameters(module)
     name_of = {id(p): n for n, p in named}
     plan = plan_buckets(_specs(named))

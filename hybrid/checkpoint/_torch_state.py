@@ -66,6 +66,12 @@ def _is_zero2(optimizer) -> bool:
     return isinstance(optimizer, ZeRO2)
 
 
+def _is_zero3(obj) -> bool:
+    """A ZeRO3 model or its optimizer (they save and load their slices as they are)."""
+    from hybrid.torch import ZeRO3, ZeRO3Optimizer
+    return isinstance(obj, (ZeRO3, ZeRO3Optimizer))
+
+
 def _is_zero1(optimizer) -> bool:
     from hybrid.torch import ZeroRedundancyOptimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -83,13 +89,13 @@ def kept_states(optimizer) -> set[int] | None:
 
 def _params_in_state_order(optimizer) -> list[torch.Tensor]:
     """The parameter behind each index of ``optimizer.state_dict()`` (torch's numbering)."""
-    if _is_zero2(optimizer):
+    if _is_zero2(optimizer) or _is_zero3(optimizer):
         return [optimizer._params[i] for i in optimizer._torch_order]
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _group_sizes(optimizer) -> list[int]:
-    if _is_zero2(optimizer):
+    if _is_zero2(optimizer) or _is_zero3(optimizer):
         return [optimizer._group_of.count(g) for g in range(len(optimizer.param_groups))]
     return [len(g["params"]) for g in optimizer.param_groups]
 

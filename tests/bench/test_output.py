@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from hybrid.bench import checkpoint, compile as compile_bench, ddp, jax as jax_bench, pack, zero
+from hybrid.bench import _zero3, checkpoint, compile as compile_bench, ddp, jax as jax_bench, pack, zero
 
 HEADER = re.compile(r"ratio of times\s+paired\s+middle half\s+of medians\s+better")
 AA = re.compile(r"^(?P<group>.*?)\s+A/A \(noise\) (?P<what>.+?)\s+(?P<paired>[\d.]+)\s+(?P<lo>[\d.]+)-(?P<hi>[\d.]+)"
@@ -84,6 +84,23 @@ def test_zero_report_aa_is_torch_zero1_against_itself():
     # auto caps against the same ZeRO at torch's default caps: 1.08 / 1.02 and 1.09 / 1.04
     assert re.search(r"hybrid_zero1_auto/hybrid_zero1\s+1\.059 ", out), out
     assert re.search(r"hybrid_zero2_auto/hybrid_zero2\s+1\.048 ", out), out
+
+
+def test_zero_stage3_report_aa_is_ddp_against_itself_per_model_and_world():
+    times = {name: _series(0.05, 1 + i / 10) for i, name in enumerate(_zero3.ROUND)}
+    times["ddp_adam'"] = _series(0.05, 1.02)
+    memory = {name: {"held": 100 * (i + 1), "peak": 200 * (i + 1)} for i, name in enumerate(_zero3.VARIANTS)}
+    memory["hybrid_zero3"].update(buckets=4, working_set=64)
+    rank = {"mlp": {"times": times, "memory": memory}}
+    results = {("mlp", 2): [rank, rank], ("mlp", 3): [rank, rank, rank]}
+    out = _zero3.step_report(results)
+    aa = _aa_rows(out)
+    assert [(r["group"], r["what"], r["paired"]) for r in aa] == [
+        ("mlp, 2 ranks", "ddp_adam'/ddp_adam", "1.020"), ("mlp, 3 ranks", "ddp_adam'/ddp_adam", "1.020")]
+    assert re.search(r"mlp, 2 ranks\s+hybrid_zero3/ddp_adam\s+1\.300 .*< 1: hybrid_zero3 faster", out), out
+    table = _zero3.memory_report(results)
+    assert re.search(r"mlp\s+3\s+hybrid_zero3\s+400 B\s+4\.000\s+800 B\s+4\.000\s+4 buckets, working set 64 B",
+                     table), table
 
 
 def test_compile_report_aa_is_split_against_itself():

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests._procs import forkserver_ranks
+from tests._procs import forkserver_ranks, report_outcome
 
 TIMEOUT_S = 5
 _FAULT: list = [None]  # "die" or "stall": what the victim's local optimizer step does
@@ -87,12 +87,7 @@ def _fault_worker(mode, rank, port, out):
         if fault == "exit":
             os._exit(17)
         _FAULT[0] = fault
-    t0 = time.monotonic()
-    try:
-        iteration()
-        out.put((rank, "returned", time.monotonic() - t0))
-    except Exception as e:  # noqa: BLE001 - what the survivor raises is the test's subject
-        out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    report_outcome(rank, out, iteration)
 
 
 @pytest.mark.timeout(120)

@@ -1,10 +1,13 @@
 """ZeRO for torch: stage 1 (the drop-in ZeroRedundancyOptimizer), stage 2 (ZeRO2: gradients and
-state sharded flat over the DDP's buckets) and the overlap hooks that step inside the backward."""
+state sharded flat over the DDP's buckets), stage 3 (ZeRO3 + ZeRO3Optimizer: parameters sharded
+too, gathered per bucket while used) and the overlap hooks that step inside the backward."""
 
 from hybrid.torch.zero._hooks import hook_with_zero_step, hook_with_zero_step_interleaved
 from hybrid.torch.zero._zero1 import ZeroRedundancyOptimizer
 from hybrid.torch.zero._zero2 import ZeRO2
 from hybrid.torch.zero._zero2_grads import GradientInShards
+from hybrid.torch.zero._zero3 import ZeRO3
+from hybrid.torch.zero._zero3_optim import ZeRO3Optimizer
 
-__all__ = ["GradientInShards", "ZeRO2", "ZeroRedundancyOptimizer", "hook_with_zero_step",
+__all__ = ["GradientInShards", "ZeRO2", "ZeRO3", "ZeRO3Optimizer", "ZeroRedundancyOptimizer", "hook_with_zero_step",
            "hook_with_zero_step_interleaved"]

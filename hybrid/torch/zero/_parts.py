@@ -94,3 +94,41 @@ def _refuse_sparse(ddp, who: str) -> None:
                 "or nn.EmbeddingBag with sparse=True). Use sparse=False for it, or step a plain "
                 "optimizer after DistributedDataParallel's backward (sparse gradients are all-reduced "
                 "there), or hybrid.torch.ZeroRedundancyOptimizer without overlap_with_ddp.")
+
+
+def resolve_groups(param_groups, names: list[str], index_of: dict[int, int], who: str, wrapper: str
+                   ) -> tuple[list[int], list[int], list[dict[str, Any]]]:
+    """torch-style parameter groups over a flat-sharded module's parameters, each exactly once:
+    ``(group of each parameter, parameter indices in torch's state-dict numbering, each group's
+    options)``. ``names[i]`` and ``index_of[id(p)] = i`` number the module's parameters; ``who``
+    (the optimizer) and ``wrapper`` (the module's class) name them in errors.
+
+    >>> ps = [torch.nn.Parameter(torch.ones(1)) for _ in range(3)]
+    >>> resolve_groups([{"params": ps[2:]}, {"params": ps[:2], "lr": 0.1}], ["a", "b", "c"],
+    ...                {id(p): i for i, p in enumerate(ps)}, "ZeRO2", "DDP")
+    ([1, 1, 0], [2, 0, 1], [{}, {'lr': 0.1}])
+    """
+    if param_groups is None:
+        return [0] * len(names), list(range(len(names))), [{}]
+    group_of: list[int | None] = [None] * len(names)
+    order, options = [], []
+    for g, group in enumerate(list(param_groups)):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"param_groups[{g}] must be a dict with a 'params' entry, got {type(group).__name__}")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            i = index_of.get(id(p))
+            if i is None:
+                raise ValueError(f"param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is not a "
+                                 f"parameter of the {wrapper} module")
+            if group_of[i] is not None:
+                raise ValueError(f"parameter {names[i]!r} appears in param_groups[{group_of[i]}] and "
+                                 f"param_groups[{g}]")
+            group_of[i] = g
+            order.append(i)
+        options.append({k: v for k, v in group.items() if k != "params"})
+    missing = [names[i] for i, g in enumerate(group_of) if g is None]
+    if missing:
+        raise ValueError(f"parameters in no group: {missing} ({who} shards every parameter of the module)")
+    return group_of, order, options

@@ -26,7 +26,7 @@ from hybrid.torch._flat import params_into_flat
 from hybrid.torch.zero._zero2_grads import GradientInShards, clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState, _take
 from hybrid.torch._collectives import all_gather_into, reduce_scatter_into, wait_all
-from hybrid.torch.zero._parts import _refuse_sparse
+from hybrid.torch.zero._parts import _refuse_sparse, resolve_groups
 
 __all__ = ["ZeRO2"]
 
@@ -114,7 +114,8 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         self._params: list[torch.Tensor] = list(module._params)
         # _group_of[i]: the group of DDP parameter i; _torch_order: DDP indices in torch's state
         # dict numbering (group by group, in each group's own order).
-        self._group_of, self._torch_order, group_options = self._resolve_groups(param_groups)
+        self._group_of, self._torch_order, group_options = resolve_groups(
+            param_groups, module._names, module._index_of, "ZeRO2", "DDP")
         self._grad_plan: BucketPlan | None = None  # the layout of the gradient slices
         self._grad_shards: FlatShardPlan | None = None
         self._grads: list[torch.Tensor | None] = []
@@ -140,34 +141,6 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         module._comm_hook_owns_grads = True
         # The stand-ins must be gone before autograd accumulates into .grad again.
         module.register_forward_pre_hook(lambda *_: self._drop_stand_ins())
-
-    def _resolve_groups(self, param_groups) -> tuple[list[int], list[int], list[dict[str, Any]]]:
-        """Validate torch-style groups against the DDP's parameters (each exactly once)."""
-        if param_groups is None:
-            return [0] * len(self._params), list(range(len(self._params))), [{}]
-        names, index_of = self._ddp._names, self._ddp._index_of
-        group_of: list[int | None] = [None] * len(self._params)
-        order, options = [], []
-        for g, group in enumerate(list(param_groups)):
-            if not isinstance(group, dict) or "params" not in group:
-                raise TypeError(f"param_groups[{g}] must be a dict with a 'params' entry, got {type(group).__name__}")
-            params = group["params"]
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            for p in params:
-                i = index_of.get(id(p))
-                if i is None:
-                    raise ValueError(f"param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is not a "
-                                     "parameter of the DDP module")
-                if group_of[i] is not None:
-                    raise ValueError(f"parameter {names[i]!r} appears in param_groups[{group_of[i]}] and "
-                                     f"param_groups[{g}]")
-                group_of[i] = g
-                order.append(i)
-            options.append({k: v for k, v in group.items() if k != "params"})
-        missing = [names[i] for i, g in enumerate(group_of) if g is None]
-        if missing:
-            raise ValueError(f"parameters in no group: {missing} (ZeRO2 shards every parameter of the module)")
-        return group_of, order, options
 
     # -- layout ----------------------------------------------------------------------------------
 

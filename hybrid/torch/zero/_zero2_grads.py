@@ -16,8 +16,9 @@ import math
 import torch
 import torch.distributed as dist
 
-_ADVICE = ("Its gradient was reduce-scattered by hybrid.torch.ZeRO2: each rank holds only its slice, inside "
-           "the optimizer. Clip with opt.clip_grad_norm_(max_norm, norm_type) or opt.clip_grad_value_(value) "
+_ADVICE = ("Its gradient was reduce-scattered by hybrid.torch.ZeRO2 or ZeRO3: each rank holds only its slice, "
+           "inside the optimizer (for ZeRO3: hybrid.torch.ZeRO3Optimizer, not a torch.optim optimizer over "
+           "model.parameters()). Clip with opt.clip_grad_norm_(max_norm, norm_type) or opt.clip_grad_value_(value) "
            "instead of torch.nn.utils' clip functions; opt.clip_grad_norm_(float('inf')) returns the total "
            "norm without clipping, for logging.")
 

@@ -29,7 +29,8 @@ def _take(shards: FlatShardPlan, b: int, rank: int, full: dict[int, torch.Tensor
 
 
 class ShardedState:
-    """The state-dict half of :class:`hybrid.torch.ZeRO2` (it supplies the layout attributes)."""
+    """The state-dict half of :class:`hybrid.torch.ZeRO2` and :class:`hybrid.torch.ZeRO3Optimizer`
+    (they supply the layout attributes)."""
 
     def _relayout(self, plan: BucketPlan) -> None:
         """Move master weights and optimizer state to ``plan``'s slices (DDP rebuilt its buckets).
@@ -70,7 +71,7 @@ class ShardedState:
         out: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {
             i: ({}, dict(scalars_of.get(g, {}))) for i, g in enumerate(self._group_of)}
         dtypes = {k: d for sliced in sliced_of.values() for k, d in sliced.items()}
-        device = self._flat_params[0].device
+        device = self._params[0].device
         for key in sorted(dtypes):
             slices = [torch.zeros(n, dtype=getattr(torch, dtypes[key]), device=device)
                       for n in self._shards.shard_sizes]

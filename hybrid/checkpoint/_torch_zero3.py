@@ -1,0 +1,184 @@
+"""Saving and loading a :class:`hybrid.torch.ZeRO3` run without gathering anything.
+
+A ZeRO3 rank holds its flat slice of every bucket of its plan, parameters and optimizer state
+alike: exactly a checkpoint file's contents. A save writes the slices as they are (the manifest
+records ZeRO3's plan; loaders reshard by name, so the checkpoint loads anywhere), and a load
+reads, from whatever plan and world size saved, just the elements of this rank's slices. The only
+communication is one small object all-gather (which groups hold which state, their step counts)
+and the save protocol's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybrid.checkpoint._files import Checkpoint, write_shard
+from hybrid.checkpoint._manifest import CheckpointError, Manifest
+from hybrid.checkpoint._protocol import begin_save, commit_save
+from hybrid.checkpoint._torch_state import (
+    _NAME_OF_CLASS, SLOT_OF_TORCH_KEY, TORCH_KEY_OF_SLOT, _hyperparameters, _inner, expected_slots, named_buffers,
+    optimizer_info)
+from hybrid.checkpoint._write import buffer_entries, dtypes_of
+
+
+def _numpy_slice(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """A slice as stored: in its bucket's dtype (bfloat16 as its uint16 bits)."""
+    t = t.detach().to(getattr(torch, dtype)).cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _torch_slice(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if a.dtype == np.uint16:
+        t = t.view(torch.int16).view(torch.bfloat16)
+    return t.to(device=device, dtype=dtype)
+
+
+def _group_state(optimizer) -> dict[int, tuple[int | None, list[str]]]:
+    """``{group: (step count or None, torch state keys)}`` over every rank (a rank may hold no
+    element of a small group): one object all-gather."""
+    local: dict[int, tuple[int | None, list[str]]] = {}
+    for seg, master in zip(optimizer._segments, optimizer._masters):
+        st = optimizer.optim.state.get(master, {})
+        step = st.get("step")
+        keys = sorted(k for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() == 1)
+        if st:
+            local[seg.group] = (None if step is None else int(step.item() if torch.is_tensor(step) else step), keys)
+    everyone: list = [None] * optimizer.world_size
+    dist.all_gather_object(everyone, local, group=optimizer.process_group)
+    out: dict[int, tuple[int | None, list[str]]] = {}
+    for theirs in everyone:
+        for g, (step, keys) in theirs.items():
+            seen = out.setdefault(g, (step, keys))
+            if seen != (step, keys):
+                raise CheckpointError(f"ranks disagree on parameter group {g}'s state: {seen} and {(step, keys)}")
+    return out
+
+
+def save_zero3(path: str | os.PathLike, model, optimizer, *, step: int, extras: dict) -> Manifest | None:
+    """:func:`hybrid.checkpoint.torch.save` of a ZeRO3 model (and its ZeRO3Optimizer): a collective."""
+    group, rank, world_size = model.process_group, model.rank, model.world_size
+    plan, shards = model.bucket_plan, model.shards
+    names = model._names
+    dtypes = [b.dtype for b in plan.buckets]
+    tensors = {f"params/{b}": [_numpy_slice(s, dtypes[b])] for b, s in enumerate(model._buckets.slices)}
+    info, kinds = None, ["params"]
+    if optimizer is not None:
+        if optimizer.module is not model:
+            raise ValueError("save: the optimizer is not the ZeRO3Optimizer of this model")
+        groups = _group_state(optimizer)
+        group_names = [[names[i] for i in range(len(names)) if optimizer._group_of[i] == g]
+                       for g in range(len(optimizer.param_groups))]
+        counts = {n: groups[g][0] for g, ns in enumerate(group_names) if g in groups and groups[g][0] is not None
+                  for n in ns}
+        holders = {SLOT_OF_TORCH_KEY.get(k, k): {n for g, ns in enumerate(group_names) if g in groups
+                                                   and k in groups[g][1] for n in ns}
+                   for k in {k for _, keys in groups.values() for k in keys}}
+        name_of = {id(p): n for p, n in zip(model._params, names)}
+        inner = type(_inner(optimizer)).__name__
+        info = optimizer_info(_NAME_OF_CLASS.get(inner, inner), expected_slots(optimizer),
+                              _hyperparameters(optimizer, name_of), names, counts, holders, sgd_count=step)
+        for slot in info.slots:
+            key = TORCH_KEY_OF_SLOT.get(slot, slot)
+            slices = [torch.zeros(n, dtype=torch.float32) for n in shards.shard_sizes]
+            for seg, master in zip(optimizer._segments, optimizer._masters):
+                value = optimizer.optim.state.get(master, {}).get(key)
+                if isinstance(value, torch.Tensor):
+                    slices[seg.bucket][seg.lo:seg.hi] = value
+            tensors.update({f"{slot}/{b}": [_numpy_slice(s, dtypes[b])] for b, s in enumerate(slices)})
+        kinds += list(info.slots)
+    buffer_meta, buffer_tensors = buffer_entries(extras["buffers"])
+    # The save protocol of hybrid.checkpoint.torch.save's distributed path, with this rank's slices.
+    if rank == 0:
+        begin_save(path)
+    dist.barrier(group=group)
+    body = Manifest("torch", world_size, 3, int(step), plan, info, dtypes_of(plan, kinds), (),
+                    dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])
+    entry = write_shard(path, rank, world_size, {**tensors, **buffer_tensors} if rank == 0 else tensors,
+                        body_digest=body.body_digest())
+    entries: list = [None] * world_size
+    dist.all_gather_object(entries, entry, group=group)
+    manifest = None
+    if rank == 0:
+        manifest = dataclasses.replace(body, files=tuple(entries))
+        commit_save(path, manifest)
+    dist.barrier(group=group)  # nobody returns (and perhaps loads) before the manifest is in place
+    return manifest
+
+
+def load_zero3(path: str | os.PathLike, model, optimizer, *, scheduler, hyperparameters: str, buffers: bool) -> int:
+    """:func:`hybrid.checkpoint.torch.load` into a ZeRO3 model (and its ZeRO3Optimizer): each rank
+    reads the elements of its own slices, from any saved plan and world size. Every check runs
+    before anything changes."""
+    from hybrid.checkpoint._torch_load import saved_groups  # _torch_load dispatches here: imported late
+
+    ckpt = Checkpoint(path)
+    ckpt.check_model(model.bucket_plan.specs, what="ZeRO3")
+    named_bufs = named_buffers(model) if buffers else []
+    if buffers:
+        if named_bufs and not ckpt.manifest.buffers:
+            raise CheckpointError(f"{ckpt.path}: holds no buffers, but the model has {[n for n, _ in named_bufs]}: "
+                                  f"load with buffers=False to keep the module's own")
+        ckpt.check_buffers({n: tuple(b.shape) for n, b in named_bufs}, what="ZeRO3")
+    if scheduler is not None and "scheduler" not in ckpt.manifest.run_state:
+        raise CheckpointError(f"{ckpt.path}: holds no LR scheduler state (saved without scheduler=)")
+    reshard = ckpt.reshard_to(model.shards)
+    ckpt.verify(reshard.sources(model.rank))
+    params = ckpt.slices("params", reshard, model.rank)
+    new_state, new_groups = None, None
+    if optimizer is not None:
+        new_state, new_groups = _optimizer_slices(ckpt, reshard, model, optimizer, hyperparameters, saved_groups)
+    saved_buffers = ckpt.buffers() if buffers else {}
+    # Nothing has changed so far; from here on the inputs are all checked.
+    with torch.no_grad():
+        for s, a in zip(model._buckets.slices, params):
+            s.copy_(_torch_slice(a, s.dtype, s.device))
+        for name, b in named_bufs:
+            b.copy_(_torch_slice(saved_buffers[name], b.dtype, b.device).reshape(b.shape))
+    if optimizer is not None:
+        optimizer._refresh_masters()
+        optimizer.optim.state.clear()
+        optimizer.optim.state.update(new_state)
+        for group, restored in zip(optimizer.optim.param_groups, new_groups):
+            group.update(restored)
+    if scheduler is not None:
+        scheduler.load_state_dict(ckpt.manifest.run_state["scheduler"])
+    return ckpt.manifest.step
+
+
+def _optimizer_slices(ckpt: Checkpoint, reshard, model, optimizer, hyperparameters: str, saved_groups):
+    """The inner optimizer's new state (per master segment) and groups' hyperparameters."""
+    names = model._names
+    info, groups = saved_groups(ckpt, optimizer, {id(p): n for p, n in zip(model._params, names)}, hyperparameters)
+    slots = {slot: ckpt.slices(slot, reshard, model.rank) for slot in info.slots}
+    state: dict[torch.Tensor, dict[str, Any]] = {}
+    for seg, master in zip(optimizer._segments, optimizer._masters):
+        members = [names[s.tensor] for s in model.shards.member_slices(seg.bucket, model.rank)
+                   if s.shard_offset < seg.hi and s.shard_offset + s.stop - s.start > seg.lo]
+        with_state = {n for n in members if info.has_state(n)}
+        if not with_state:
+            continue
+        counts = {info.count_of(n) for n in members}
+        if with_state != set(members) or len(counts) > 1:
+            raise CheckpointError(f"{ckpt.path}: parameters {sorted(members)} share one flat run of ZeRO3's slices "
+                                  f"but were saved with different optimizer state (state for {sorted(with_state)}, "
+                                  f"step counts {sorted(counts)}): a flat run steps as one tensor")
+        st: dict[str, Any] = {} if info.name == "sgd" else {"step": torch.tensor(float(counts.pop()))}
+        for slot in info.slots:
+            held = [n for n in members if info.holds(slot, n)]
+            if held and len(held) != len(members):
+                raise CheckpointError(f"{ckpt.path}: {slot} is saved for {held} but not for the other parameters "
+                                      f"of their flat run {sorted(set(members) - set(held))}")
+            if held:
+                st[TORCH_KEY_OF_SLOT.get(slot, slot)] = _torch_slice(slots[slot][seg.bucket][seg.lo:seg.hi],
+                                                                     torch.float32, master.device)
+        state[master] = st
+    return state, groups

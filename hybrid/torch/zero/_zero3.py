@@ -1,0 +1,238 @@
+"""ZeRO-3 for torch: ``hybrid.torch.ZeRO3``, a module wrapper whose parameters live sharded.
+
+Each rank keeps only its flat slice of every bucket of the plan (:func:`hybrid.core.shard_flat`,
+the layout of ZeRO2's gradient slices and of checkpoint files); a bucket is gathered while its
+parameters are used and freed after (``_zero3_schedule``), gradients are reduced per bucket into
+this rank's slice (``_zero3_grads``), and :class:`~hybrid.torch.ZeRO3Optimizer` steps the slices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, shard_flat, zero3_plan
+from hybrid.torch.ddp._parts import _reduced_parameters
+from hybrid.torch.zero._zero3_grads import GradReducer
+from hybrid.torch.zero._zero3_params import ParamBuckets, WorkingSet
+from hybrid.torch.zero._zero3_schedule import Schedule
+from hybrid.torch.zero._zero3_shards import ParameterInShards
+
+__all__ = ["ZeRO3"]
+
+MiB = 1 << 20
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return value
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+class ZeRO3(nn.Module):
+    """``module`` with its parameters sharded over the ranks: ZeRO stage 3 (FSDP's full sharding).
+
+    Like DDP, every rank runs the whole model on its own inputs, and gradients are averaged over
+    the ranks. Unlike DDP, a rank keeps only ``1 / world_size`` of every bucket of parameters,
+    gradients and (with :class:`~hybrid.torch.ZeRO3Optimizer`) optimizer state. A bucket's
+    parameters are gathered just before the first module that needs them runs (the next
+    ``prefetch`` buckets in forward order are gathered meanwhile) and freed once every module
+    needing them has run; the backward gathers them again in reverse order (or finds them kept:
+    ``reshard_after_forward=False``), reduces each bucket's gradients once they are all ready,
+    keeps this rank's slice and frees the rest. Construction takes rank 0's parameter and buffer
+    values, as DDP does.
+
+    Between uses the model's parameters are :class:`ParameterInShards` stand-ins (right shape,
+    dtype and device; reading their values raises, naming the parameter): read them inside
+    ``with model.gathered():``.
+    ``.grad`` after ``backward()`` holds a :class:`~hybrid.torch.GradientInShards` stand-in (the
+    gradient is in the slices); step with :class:`~hybrid.torch.ZeRO3Optimizer`, clip with its
+    ``clip_grad_norm_``.
+
+    Args:
+      module: the model; its parameters requiring gradients are sharded, the others and its
+        buffers stay whole on every rank.
+      process_group: the ranks to shard over (default: the world).
+      bucket_cap_mb: the plan's bucket cap (a bucket is the unit of gathering and of reduction);
+        default :func:`hybrid.core.zero3_bucket_cap`: a 16th of the parameters' bytes, within
+        1 and 25 MiB. The plan is :func:`hybrid.core.zero3_plan` (a module's parameters share
+        a bucket; bucket 0, the last layers, capped at ``min(1, cap)`` MiB as in DDP). Smaller
+        buckets hold less gathered at a time and cost more collectives.
+      prefetch: how many buckets ahead to gather while a bucket computes (>= 0).
+      reshard_after_forward: free buckets after the forward and gather them again in the
+        backward (True, FSDP's default), or keep them from the forward to the backward.
+      mp_policy: mixed precision: an object with torch FSDP2's ``MixedPrecisionPolicy`` fields
+        (``param_dtype``: the gathered parameters' dtype; ``reduce_dtype``: the gradients'
+        reduction dtype, default ``param_dtype``; ``output_dtype``; ``cast_forward_inputs``).
+        The slices, the gradient slices and the optimizer state stay in float32.
+
+    >>> import torch, torch.distributed as dist
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> model = ZeRO3(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), bucket_cap_mb=1e-4)
+    >>> model.bucket_plan.num_buckets, model.forward_order  # buckets by first use in the forward
+    (2, (1, 0))
+    >>> model(torch.ones(3, 4)).sum().backward()
+    >>> model.module[0].weight.grad
+    GradientInShards('0.weight', shape=(8, 4))
+    >>> with model.gathered():
+    ...     model.module[1].bias.tolist() == model.state_dict()["module.1.bias"].tolist()
+    True
+    >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, module: nn.Module, *, process_group=None, bucket_cap_mb: float | None = None,
+                 prefetch: int = 1, reshard_after_forward: bool = True, mp_policy: Any = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ZeRO3 wraps a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (buckets gathered ahead), got {prefetch!r}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.prefetch, self.reshard_after_forward = prefetch, bool(reshard_after_forward)
+        self._mp = mp_policy
+        param_dtype = getattr(mp_policy, "param_dtype", None)
+        reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or param_dtype
+        named = _reduced_parameters(module)
+        if not named:
+            raise ValueError("ZeRO3: the module has no parameter that requires a gradient")
+        for name, p in named:
+            if p.is_sparse or not p.is_floating_point():
+                raise ValueError(f"ZeRO3 shards dense floating-point parameters; {name!r} is {p.dtype}"
+                                 f"{' (sparse)' if p.is_sparse else ''}")
+        self._names = [n for n, _ in named]
+        self._params: list[nn.Parameter] = [p for _, p in named]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        # Names and dtypes as saved (device-less): the plan is the checkpoint's plan too.
+        specs = [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype)) for n, p in named]
+        self.bucket_plan: BucketPlan = zero3_plan(
+            specs, bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * MiB))
+        self.shards: FlatShardPlan = shard_flat(self.bucket_plan, self.world_size)
+        # gloo's reduce-scatter and all-gather are slower than its all-reduce and broadcasts (see ZeRO2).
+        flat = dist.get_backend(process_group) != dist.Backend.GLOO
+        self._working = WorkingSet()
+        self._buckets = ParamBuckets(self._params, self.shards, self.rank, group=process_group,
+                                     compute_dtype=param_dtype, flat_collectives=flat, working=self._working)
+        for p, name in zip(self._params, self._names):
+            ParameterInShards.convert(p, name)  # its values now live in the slices
+        self._grads = GradReducer(self._buckets.work, self._names, self._params, self.shards, self.rank,
+                                  group=process_group, reduce_dtype=reduce_dtype, flat_collectives=flat,
+                                  on_bucket_done=self._buckets.free, working=self._working)
+        self._schedule = Schedule(module, self.bucket_plan, self._index_of, self._buckets, self._grads,
+                                  prefetch=prefetch, reshard_after_forward=self.reshard_after_forward)
+        self._sync_buffers()
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers (and parameters left unsharded) everywhere, as DDP's construction does."""
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        rest = [t for t in self.module.buffers()] + [p for p in self.module.parameters()
+                                                      if id(p) not in self._index_of]
+        with torch.no_grad():
+            for t in rest:
+                dist.broadcast(t.data, src=src, group=self.process_group)
+
+    @property
+    def forward_order(self) -> tuple[int, ...]:
+        """Bucket indices in the order the forward first uses them (observed in the latest
+        forward; before any, the plan's reverse). The backward gathers in the reverse order."""
+        return self._schedule.order
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._grads.abandon_unfinished()
+        self._grads.drop_stand_ins()
+        if getattr(self._mp, "cast_forward_inputs", False):
+            args, kwargs = _cast((args, kwargs), getattr(self._mp, "param_dtype", None))
+        self._schedule.begin_forward()
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            # A module that raised left its working parameters in place and its buckets gathered.
+            self._schedule.swap_all(working=False)
+            self._buckets.free_all(quiet=True)
+            raise
+        self._schedule.end_forward()
+        return _cast(out, getattr(self._mp, "output_dtype", None))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep their gradients local and whole, in ``.grad`` (as DDP's
+        ``no_sync``: a full gradient per rank); the first backward outside reduces their sum."""
+        old, self._grads.sync = self._grads.sync, False
+        try:
+            yield
+        finally:
+            self._grads.sync = old
+
+    @contextlib.contextmanager
+    def gathered(self, *, writeback: bool = False) -> Iterator[None]:
+        """Every parameter whole inside the block (the full model on every rank: a collective).
+
+        With ``writeback=True`` changes made to the parameters inside are kept (each rank keeps
+        its slice of the values it holds at the end; make them agree across ranks).
+        """
+        for b in range(self._buckets.num_buckets):
+            self._buckets.gather(b, "gathered()")
+        try:
+            for b in range(self._buckets.num_buckets):
+                self._buckets.wait(b)
+            self._schedule.swap_all(working=True)
+            yield
+            if writeback:
+                for b in range(self._buckets.num_buckets):
+                    self._buckets.write_back(b)
+        except BaseException:
+            self._schedule.swap_all(working=False)
+            self._buckets.free_all(quiet=True)  # the error in flight is the one to report
+            raise
+        self._schedule.swap_all(working=False)
+        self._buckets.free_all()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """torch's ``state_dict``, every parameter whole (keys ``module.*``, as DDP's); gathered
+        bucket by bucket, so it is a collective: call it on every rank."""
+        if args or kwargs.get("keep_vars") or kwargs.get("destination") is not None:
+            raise TypeError("ZeRO3.state_dict takes only prefix=; the parameters are copies gathered from the ranks")
+        prefix = kwargs.get("prefix", "")
+        out = super().state_dict(prefix=prefix, keep_vars=True)
+        values: dict[int, torch.Tensor] = {}
+        for b, bucket in enumerate(self.bucket_plan.buckets):
+            full = self._buckets.exact(b, "state_dict()")
+            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                values[id(self._params[m])] = full[o:o + n].view(self._params[m].shape).clone()
+            del full
+        return type(out)((k, values[id(v)] if id(v) in values else v.detach()) for k, v in out.items())
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's ``load_state_dict`` (keys ``module.*``); each rank keeps its slice of each
+        parameter, taken at full precision from ``state_dict`` (no communication but the
+        gathering torch's key and shape checks need)."""
+        if assign:
+            raise ValueError("ZeRO3.load_state_dict: assign=True would replace the sharded parameters")
+        with self.gathered():
+            result = super().load_state_dict(state_dict, strict=strict)
+        self._buckets.load({i: state_dict[f"module.{n}"] for i, n in enumerate(self._names)
+                            if f"module.{n}" in state_dict})
+        return result
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now: ``param_slices``, ``grad_slices``; and ``working_set``, the
+        most bytes of full buckets (parameters gathered, gradients being reduced) alive at once
+        since the last :meth:`reset_peak_memory_stats` (see :func:`hybrid.core.zero3_memory`)."""
+        return {"param_slices": sum(s.numel() * s.element_size() for s in self._buckets.slices),
+                "grad_slices": sum(g.numel() * g.element_size() for g in self._grads.slices if g is not None),
+                "working_set": self._working.peak}
+
+    def reset_peak_memory_stats(self) -> None:
+        self._working.reset_peak()

@@ -1,0 +1,144 @@
+"""The optimizer of a :class:`~hybrid.torch.ZeRO3` model: any ``torch.optim`` optimizer stepping
+this rank's flat slices of parameters with its slices of the averaged gradient.
+
+The slices are cut into runs of one parameter group (:meth:`hybrid.core.FlatShardPlan.group_runs`),
+one flat float32 tensor per run, as ZeRO2 does; for float32 parameters a run *is* a view of the
+parameter slice, so the inner optimizer updates the slices in place. Nothing is gathered after
+the step: the next forward gathers the updated slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from hybrid.torch.zero._parts import resolve_groups
+from hybrid.torch.zero._zero2_grads import clip_grad_norm_
+from hybrid.torch.zero._zero2_state import ShardedState
+from hybrid.torch.zero._zero3 import ZeRO3
+
+__all__ = ["ZeRO3Optimizer"]
+
+
+class ZeRO3Optimizer(ShardedState, Optimizer):
+    """``optimizer_class`` over a ZeRO3 model's slices: state ``1 / world_size`` of the unsharded.
+
+    The counterpart of ``torch.optim.AdamW(model.parameters(), ...)`` for a sharded model: every
+    rank updates its slice of every bucket with ``optimizer_class``, so the ranks together take
+    the step DDP + that optimizer takes. ``param_groups``, ``state``, LR schedulers and
+    ``state_dict()`` (torch's per-parameter format, a collective) work as on torch's optimizers.
+
+    Args:
+      module: the :class:`~hybrid.torch.ZeRO3` model.
+      optimizer_class: a ``torch.optim.Optimizer`` subclass; it sees flat float32 tensors, so it
+        must be elementwise (SGD, Adam, AdamW, ...), as with ZeRO2.
+      param_groups: torch's group dicts over all of the model's sharded parameters, each in
+        exactly one group; default one group of all.
+      **defaults: forwarded to ``optimizer_class``.
+
+    >>> import torch, torch.distributed as dist
+    >>> from hybrid.torch import ZeRO3
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    >>> model = ZeRO3(torch.nn.Linear(4, 2))
+    >>> opt = ZeRO3Optimizer(model, torch.optim.AdamW, lr=0.1, param_groups=[
+    ...     {"params": [model.module.weight], "weight_decay": 0.1},
+    ...     {"params": [model.module.bias], "weight_decay": 0.0}])
+    >>> model(torch.ones(3, 4)).sum().backward()
+    >>> opt.clip_grad_norm_(1.0)  # the norm of the whole gradient, as torch's clip_grad_norm_ returns
+    tensor(9.4868)
+    >>> opt.step(); opt.zero_grad()
+    >>> opt.state_numel()  # exp_avg and exp_avg_sq of this rank's 10 elements
+    20
+    >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, module: ZeRO3, optimizer_class: type[Optimizer],
+                 param_groups: Iterable[dict[str, Any]] | None = None, **defaults: Any):
+        if not isinstance(module, ZeRO3):
+            raise TypeError(f"ZeRO3Optimizer needs a hybrid.torch.ZeRO3 model, got {type(module).__name__}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        self.module = module
+        self.process_group = module.process_group
+        self.world_size, self.rank = module.world_size, module.rank
+        self._params = module._params
+        self._group_of, self._torch_order, group_options = resolve_groups(
+            param_groups, module._names, module._index_of, "ZeRO3Optimizer", "ZeRO3")
+        self._plan, self._shards = module.bucket_plan, module.shards
+        self._segments = self._shards.group_runs(self.rank, self._group_of)
+        slices = module._buckets.slices
+        self._masters = []
+        for seg in self._segments:
+            mine = slices[seg.bucket][seg.lo:seg.hi]
+            self._masters.append(mine if mine.dtype == torch.float32 else mine.float())
+        self.optim: Optimizer = optimizer_class(
+            [{**options, "params": [m for s, m in zip(self._segments, self._masters) if s.group == g]}
+             for g, options in enumerate(group_options)], **defaults)
+        Optimizer.__init__(self, list(self._masters), self.optim.defaults)
+        # One set of groups and state: schedulers and users edit what the inner optimizer reads.
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+
+    @torch.no_grad()
+    def _refresh_masters(self) -> None:
+        """After the slices were set from outside (a checkpoint): the float32 copies of
+        lower-precision slices follow (float32 masters are the slices themselves)."""
+        slices = self.module._buckets.slices
+        for seg, master in zip(self._segments, self._masters):
+            mine = slices[seg.bucket][seg.lo:seg.hi]
+            if master.data_ptr() != mine.data_ptr():
+                master.copy_(mine)
+
+    def grad_numel(self) -> int:
+        """Elements of gradient this rank keeps between backward and step (its slices)."""
+        return sum(g.numel() for g in self.module._grads.slices if g is not None)
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state tensors this rank keeps (sliced, padding included)."""
+        return sum(v.numel() for s in self.optim.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every rank's gradient slices (exact: the norm of
+        the whole averaged gradient, returned on every rank); a collective, between ``backward()``
+        and ``step()``. ``max_norm=float("inf")`` only measures."""
+        slices = [g for g in self.module._grads.slices if g is not None]
+        return clip_grad_norm_(slices, max_norm, norm_type, group=self.process_group, device=self._params[0].device,
+                               error_if_nonfinite=error_if_nonfinite)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` on this rank's gradient slices (elementwise: exact)."""
+        for g in self.module._grads.slices:
+            if g is not None:
+                g.clamp_(min=-clip_value, max=clip_value)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradient slices; the parameters' ``.grad`` become None."""
+        self.module._grads.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Update this rank's slices with the inner optimizer (no communication)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self.module._grads.slices
+        for seg, master in zip(self._segments, self._masters):
+            g = grads[seg.bucket]
+            master.grad = None if g is None else g[seg.lo:seg.hi]
+        try:
+            self.optim.step(**kwargs)
+        finally:
+            for master in self._masters:
+                master.grad = None
+        slices = self.module._buckets.slices
+        for seg, master in zip(self._segments, self._masters):
+            mine = slices[seg.bucket][seg.lo:seg.hi]
+            if master.data_ptr() != mine.data_ptr():
+                mine.copy_(master)  # lower-precision parameters: the float32 master, rounded
+        return loss

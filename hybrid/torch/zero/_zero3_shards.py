@@ -1,0 +1,73 @@
+"""What a ZeRO3 model's parameters are between uses: :class:`ParameterInShards` stand-ins.
+
+As in torch's FSDP2, the module holds one parameter object per parameter while it is sharded (the
+user's own ``nn.Parameter``: the names, ``model.parameters()`` and optimizer parameter groups see
+it) and another, a view into the gathered bucket, while the module runs. The sharded one keeps
+its shape, dtype, device and ``requires_grad`` and holds one element of memory; anything that
+would read its values raises a ``RuntimeError`` naming the parameter and what to do instead, so
+no code reads stale or freed memory by mistake.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ADVICE = ("it is sharded by hybrid.torch.ZeRO3: each rank holds a flat slice, and the whole parameter exists "
+           "only while its module runs. Read it inside `with model.gathered():`, save it with "
+           "model.state_dict(), step it with hybrid.torch.ZeRO3Optimizer.")
+
+# Getters that would hand out the placeholder's values (a zero expanded to the parameter's shape).
+_VALUE_GETTERS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+# Methods that only read metadata, or set .grad (the ZeRO3 backward leaves a GradientInShards).
+_METADATA = frozenset({"__set__", "__hash__", "size", "dim", "numel", "nelement", "element_size",
+                       "is_floating_point", "is_complex", "is_contiguous", "stride"})
+
+
+class ParameterInShards(torch.nn.Parameter):
+    """A ZeRO3 model's parameter while it is sharded; see the module docstring.
+
+    >>> p = torch.nn.Parameter(torch.ones(2, 3))
+    >>> ParameterInShards.convert(p, "fc.weight")
+    >>> p, p.shape, isinstance(p, torch.nn.Parameter)
+    (ParameterInShards('fc.weight', shape=(2, 3)), torch.Size([2, 3]), True)
+    >>> p.sum()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    RuntimeError: parameter 'fc.weight': sum is not available: it is sharded by hybrid.torch.ZeRO3: ...
+    """
+
+    param_name: str
+
+    @staticmethod
+    def convert(param: torch.nn.Parameter, name: str) -> None:
+        """Turn ``param`` itself into a stand-in (its values must be kept elsewhere first)."""
+        with torch.no_grad():
+            param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+        param.__class__ = ParameterInShards
+        param.param_name = name
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+            allowed = name not in _VALUE_GETTERS
+        else:
+            allowed = name in _METADATA
+        if allowed:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        shard = next(a for a in (*args, *(kwargs or {}).values(), *_flat(args)) if isinstance(a, cls))
+        raise RuntimeError(f"parameter {shard.param_name!r}: {name} is not available: {_ADVICE}")
+
+    def __repr__(self) -> str:
+        return f"ParameterInShards({self.param_name!r}, shape={tuple(self.shape)})"
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(f"parameter {self.param_name!r}: deepcopy is not available: {_ADVICE}")
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a

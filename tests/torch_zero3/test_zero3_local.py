@@ -1,0 +1,159 @@
+"""ZeRO3 in one gloo process: docstring examples, input errors, what the parameters and their
+``.grad`` hold between uses, the gathered() block, and a torch optimizer built on the wrong
+tensors failing loudly."""
+
+import copy
+import doctest
+
+import pytest
+import torch
+
+import hybrid.bench._live
+import hybrid.torch.zero._parts
+import hybrid.torch.zero._zero3
+import hybrid.torch.zero._zero3_optim
+import hybrid.torch.zero._zero3_shards
+from hybrid.torch import GradientInShards, ZeRO3, ZeRO3Optimizer
+from hybrid.torch.zero._zero3_shards import ParameterInShards
+from tests.torch_zero2.test_zero2_local import world_of_one  # noqa: F401 - a fixture: one gloo process
+
+
+@pytest.mark.parametrize("module", [hybrid.torch.zero._zero3, hybrid.torch.zero._zero3_optim,
+                                    hybrid.torch.zero._zero3_shards, hybrid.torch.zero._parts])
+def test_module_doctests(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_live_bytes_doctests():
+    try:
+        hybrid.bench._live.install()
+    except RuntimeError as e:
+        pytest.skip(str(e))  # no C++ compiler here
+    result = doctest.testmod(hybrid.bench._live)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: ZeRO3("model"), TypeError, "ZeRO3 wraps a torch.nn.Module, got str"),
+    (lambda: ZeRO3(_mlp(), prefetch=-1), ValueError, r"prefetch must be an int >= 0 .*got -1"),
+    (lambda: ZeRO3(_mlp(), prefetch=True), ValueError, "prefetch must be an int >= 0"),
+    (lambda: ZeRO3(_mlp(), bucket_cap_mb=0), ValueError, "bucket_cap_mb must be > 0, got 0"),
+    (lambda: ZeRO3(_mlp().requires_grad_(False)), ValueError, "no parameter that requires a gradient"),
+    (lambda: ZeRO3Optimizer(_mlp(), torch.optim.SGD, lr=0.1), TypeError, "needs a hybrid.torch.ZeRO3 model, got Sequential"),
+    (lambda: ZeRO3Optimizer(ZeRO3(_mlp()), "sgd"), TypeError, "optimizer_class must be a torch.optim.Optimizer subclass"),
+])
+def test_input_errors(world_of_one, make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_param_group_errors_name_the_culprit(world_of_one):
+    model = ZeRO3(_mlp())
+    w0, b0, w2, b2 = model.module.parameters()
+    with pytest.raises(ValueError, match=r"parameters in no group: \['2.weight', '2.bias'\]"):
+        ZeRO3Optimizer(model, torch.optim.SGD, param_groups=[{"params": [w0, b0]}], lr=0.1)
+    with pytest.raises(ValueError, match=r"parameter '0.bias' appears in param_groups\[0\] and param_groups\[1\]"):
+        ZeRO3Optimizer(model, torch.optim.SGD, param_groups=[{"params": [w0, b0]}, {"params": [b0, w2, b2]}], lr=0.1)
+    with pytest.raises(ValueError, match=r"shape \(5,\) that is not a parameter of the ZeRO3 module"):
+        ZeRO3Optimizer(model, torch.optim.SGD, param_groups=[{"params": [torch.nn.Parameter(torch.ones(5))]}], lr=0.1)
+
+
+def test_parameters_are_sharded_stand_ins_between_uses(world_of_one):
+    """Outside the forward and backward a parameter keeps its shape but holds one element; any
+    read of its values raises naming it (instead of reading stale or freed memory); inside
+    gathered() the module holds the whole values."""
+    torch.manual_seed(0)
+    plain = _mlp()
+    model = ZeRO3(copy.deepcopy(plain))
+    weight = model.module[0].weight
+    assert isinstance(weight, ParameterInShards) and weight.shape == (4, 3) and weight.requires_grad
+    assert repr(weight) == "ParameterInShards('0.weight', shape=(4, 3))"
+    for read in (lambda: weight.sum(), lambda: weight.data, lambda: weight + 1, lambda: weight.detach(),
+                 lambda: model.module.state_dict()):
+        with pytest.raises(RuntimeError, match=r"parameter '0\.weight': .* is not available: it is sharded"):
+            read()
+    with model.gathered():
+        assert torch.equal(model.module[0].weight, plain[0].weight)
+    assert model.module[0].weight is weight  # the user's object again, once the block ends
+    model(torch.ones(2, 3))
+    assert model.module[0].weight is weight  # ... and after a forward
+
+
+def test_a_forward_that_raises_leaves_the_model_usable(world_of_one):
+    model = ZeRO3(_mlp())
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        model(torch.ones(2, 5))
+    assert all(s == "free" for s in model._buckets.state)
+    assert isinstance(model.module[0].weight, ParameterInShards)
+    model(torch.ones(2, 3)).sum().backward()
+
+
+def test_gathered_writeback(world_of_one):
+    model = ZeRO3(_mlp())
+    with model.gathered(writeback=True):
+        with torch.no_grad():
+            model.module[2].bias.fill_(3.0)
+    assert model.state_dict()["module.2.bias"].tolist() == [3.0, 3.0]
+    with model.gathered():  # without writeback, changes are dropped
+        with torch.no_grad():
+            model.module[2].bias.fill_(5.0)
+    assert model.state_dict()["module.2.bias"].tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.SGD])
+def test_torch_optimizer_over_model_parameters_fails_loudly(world_of_one, optimizer_class):
+    """FSDP2's habit, torch.optim.Adam(model.parameters()), meets the sharded stand-ins and their
+    GradientInShards: an error naming the parameter and ZeRO3Optimizer, not a silent no-op."""
+    model = ZeRO3(_mlp())
+    opt = optimizer_class(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    assert isinstance(model.module[0].weight.grad, GradientInShards)
+    with pytest.raises((RuntimeError, TypeError), match=r"parameter '0\.weight'.*hybrid\.torch\.ZeRO3Optimizer"):
+        opt.step()
+
+
+def test_state_dict_arguments(world_of_one):
+    model = ZeRO3(_mlp())
+    with pytest.raises(TypeError, match="takes only prefix="):
+        model.state_dict(keep_vars=True)
+    with pytest.raises(ValueError, match="assign=True"):
+        model.load_state_dict(model.state_dict(), assign=True)
+    assert list(model.state_dict(prefix="x.")) == [f"x.module.{k}" for k in _mlp().state_dict()]
+
+
+def test_memory_stats_count_slices_and_the_working_set(world_of_one):
+    """A world of one holds every slice whole; the working set is the prefetch window and a
+    gradient bucket."""
+    model = ZeRO3(torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(4)]),
+                  bucket_cap_mb=200 / 2**20)
+    opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+    assert model.bucket_plan.num_buckets == 4  # a weight (256 bytes) per bucket
+    model(torch.ones(2, 8)).sum().backward()
+    stats = model.memory_stats()
+    assert stats["param_slices"] == stats["grad_slices"] == 4 * 64 * 4
+    # Two buckets gathered (one computing, one prefetched), then in the backward one gathered, one
+    # prefetched and the gradient bucket of the one before: at most 3 buckets of 64 floats.
+    assert stats["working_set"] == 3 * 64 * 4
+    opt.step()
+    opt.zero_grad()
+    assert model.memory_stats()["grad_slices"] == 0
+
+
+def test_a_backward_that_raises_leaves_the_model_usable(world_of_one):
+    """An error inside the backward (here a user's hook) skips autograd's end-of-backward
+    callback; the next forward starts clean, and the next backward reduces as usual."""
+    model = ZeRO3(_mlp(), bucket_cap_mb=1e-4)
+    opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+    out = model(torch.ones(2, 3))
+    out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("a user's hook failed")))
+    with pytest.raises(ValueError, match="a user's hook failed"):
+        out.sum().backward()
+    model(torch.ones(2, 3)).sum().backward()
+    assert all(s == "free" for s in model._buckets.state)
+    assert opt.grad_numel() == sum(model.shards.shard_sizes)
+    opt.step()
