@@ -81,9 +81,9 @@ def test_zero_report_aa_is_torch_zero1_against_itself():
     out = zero.step_report(times)
     [aa] = _aa_rows(out)
     assert (aa["what"], aa["paired"]) == ("torch_zero1'/torch_zero1", "0.980")
-    # auto caps against the same ZeRO at torch's default caps: 1.08 / 1.02 and 1.09 / 1.04
-    assert re.search(r"hybrid_zero1_auto/hybrid_zero1\s+1\.059 ", out), out
-    assert re.search(r"hybrid_zero2_auto/hybrid_zero2\s+1\.048 ", out), out
+    # auto caps against the same ZeRO at torch's default caps: 1.09 / 1.02 and 1.10 / 1.04
+    assert re.search(r"hybrid_zero1_auto/hybrid_zero1\s+1\.069 ", out), out
+    assert re.search(r"hybrid_zero2_auto/hybrid_zero2\s+1\.058 ", out), out
 
 
 def test_zero_stage3_report_aa_is_ddp_against_itself_per_model_and_world():
