@@ -242,7 +242,9 @@ def _zero12(args, reps: int) -> None:
         grad = max(r["memory"][name][1] for r in results)
         buckets = r0["memory"][name][2]
         rows.append([name, human_bytes(state), f"{state / ref_state:.5f}", human_bytes(grad),
-                     f"{grad / ref_grad:.5f}", human_bytes(buckets) if buckets is not None else "n/a (C++)"])
+                     f"{grad / ref_grad:.5f}",
+                     "none (no DDP)" if name == "hybrid_zero3" else human_bytes(buckets) if buckets is not None
+                     else "n/a (C++)"])
     print(format_table(["variant", "opt state", "state/unsharded", "grads kept", "grads/unsharded",
                         "DDP buckets"], rows))
     greedy = r0["greedy_numel_per_rank"]

@@ -8,9 +8,9 @@ collectives that fail loudly, flat parameter buffers and the cost probe, which a
 from hybrid.torch._cost_probe import measure_collectives
 from hybrid.torch.ddp import DistributedDataParallel, GradBucket, specs
 from hybrid.torch.dynamo import SplitBackend, SplitReport, compile, split_reports
-from hybrid.torch.zero import (GradientInShards, ZeRO2, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer,
-                               hook_with_zero_step, hook_with_zero_step_interleaved)
+from hybrid.torch.zero import (GradientInShards, ParameterInShards, ZeRO2, ZeRO3, ZeRO3Optimizer,
+                               ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved)
 
-__all__ = ["DistributedDataParallel", "GradBucket", "GradientInShards", "SplitBackend", "SplitReport", "ZeRO2",
-           "ZeRO3", "ZeRO3Optimizer", "ZeroRedundancyOptimizer", "compile", "hook_with_zero_step", "hook_with_zero_step_interleaved",
-           "measure_collectives", "specs", "split_reports"]
+__all__ = ["DistributedDataParallel", "GradBucket", "GradientInShards", "ParameterInShards", "SplitBackend",
+           "SplitReport", "ZeRO2", "ZeRO3", "ZeRO3Optimizer", "ZeroRedundancyOptimizer", "compile",
+           "hook_with_zero_step", "hook_with_zero_step_interleaved", "measure_collectives", "specs", "split_reports"]

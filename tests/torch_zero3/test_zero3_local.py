@@ -14,7 +14,7 @@ import hybrid.torch.zero._zero3
 import hybrid.torch.zero._zero3_optim
 import hybrid.torch.zero._zero3_shards
 from hybrid.torch import GradientInShards, ZeRO3, ZeRO3Optimizer
-from hybrid.torch.zero._zero3_shards import ParameterInShards
+from hybrid.torch import ParameterInShards
 from tests.torch_zero2.test_zero2_local import world_of_one  # noqa: F401 - a fixture: one gloo process
 
 

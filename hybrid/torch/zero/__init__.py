@@ -8,6 +8,7 @@ from hybrid.torch.zero._zero2 import ZeRO2
 from hybrid.torch.zero._zero2_grads import GradientInShards
 from hybrid.torch.zero._zero3 import ZeRO3
 from hybrid.torch.zero._zero3_optim import ZeRO3Optimizer
+from hybrid.torch.zero._zero3_shards import ParameterInShards
 
-__all__ = ["GradientInShards", "ZeRO2", "ZeRO3", "ZeRO3Optimizer", "ZeroRedundancyOptimizer", "hook_with_zero_step",
-           "hook_with_zero_step_interleaved"]
+__all__ = ["GradientInShards", "ParameterInShards", "ZeRO2", "ZeRO3", "ZeRO3Optimizer", "ZeroRedundancyOptimizer",
+           "hook_with_zero_step", "hook_with_zero_step_interleaved"]

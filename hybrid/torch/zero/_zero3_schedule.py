@@ -5,10 +5,10 @@ is needed by every module that holds it). Its forward pre-hook gathers them (sta
 gathers of the next ``prefetch`` buckets in the forward order before waiting) and puts the
 working parameters (views into the gathered buckets) in the module's ``_parameters``; its forward
 hook puts the user's sharded stand-ins back, and frees a bucket once every module that needs it
-has run in this forward. The backward
-mirrors it: a hook on the module's outputs fires when their gradient arrives, just before the
-module's own backward, and gathers its buckets again (and prefetches the next ones in the
-reverse order); a bucket is freed once its gradients are all accumulated.
+has run in this forward. The backward mirrors it: a hook on the module's outputs fires when
+their gradient arrives, just before the module's own backward, and gathers its buckets again
+(and prefetches the next ones in the reverse order); a bucket is freed once its gradients are
+all accumulated (``_zero3_grads``).
 
 The forward order is :func:`hybrid.core.forward_order` of the parameters' first uses observed in
 the latest forward (before any forward: the plan's reverse, which is registration order). Every
@@ -37,7 +37,6 @@ class Schedule:
         self._specs_of: dict[nn.Module, tuple[int, ...]] = {}
         self._owned: dict[nn.Module, list[tuple[str, int]]] = {}  # (attribute, spec index)
         self._users: list[set[nn.Module]] = [set() for _ in plan.buckets]
-        self._handles = []
         self._user_params: dict[int, nn.Parameter] = {}
         for m in module.modules():
             owned = [(name, index_of[id(p)]) for name, p in m._parameters.items()
@@ -51,8 +50,8 @@ class Schedule:
             self.needs[m], self._specs_of[m], self._owned[m] = bs, specs, owned
             for b in bs:
                 self._users[b].add(m)
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            m.register_forward_pre_hook(self._pre_forward)
+            m.register_forward_hook(self._post_forward)
         self._set_order(forward_order(plan))
         self._first_use: list[int] = []
         self._seen: set[int] = set()
@@ -137,7 +136,3 @@ class Schedule:
         needed = tuple(b for b in self.needs[module] if not self.grads.complete[b])
         if needed:
             self._gather(needed, self._bwd_order, self._bwd_pos, "backward")
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
