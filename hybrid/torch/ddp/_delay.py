@@ -10,6 +10,8 @@ so that autograd accumulates into it.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
@@ -52,7 +54,15 @@ class DelayedAllReduce:
         # After param_to_hook_all_reduce's gradient is accumulated. torch's is a tensor hook, which
         # runs before: when that parameter is itself delayed, its gradient lands in the buffer
         # while the all-reduce of the buffer is in flight (a race); here it is reduced with the rest.
-        self._param_to_hook_all_reduce.register_post_accumulate_grad_hook(self._delayed_all_reduce_hook)
+        # Through a weak reference, as the reducer's hooks (_reducer.py): a parameter holding the
+        # DDP would keep it, and its process group, alive past its last reference.
+        ddp_ref = weakref.ref(self)
+
+        def hook(param):
+            ddp = ddp_ref()
+            if ddp is not None:
+                ddp._delayed_all_reduce_hook(param)
+        self._param_to_hook_all_reduce.register_post_accumulate_grad_hook(hook)
 
     def _delayed_all_reduce_hook(self, param) -> None:
         del param

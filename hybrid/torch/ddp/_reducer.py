@@ -6,6 +6,7 @@ these methods move tensors and issue the collectives (torch's C++ ``Reducer``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Set
 
 import torch
@@ -62,24 +63,32 @@ class Reducer:
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     def _make_hook(self, index: int):
-        on_ready = self._on_ready  # bound once, not on every gradient
+        # The parameter holds its hook: a hook holding the DDP would make parameter -> hook -> DDP
+        # -> module -> parameter a reference cycle, which keeps the DDP and its process group alive
+        # past destroy_process_group until some garbage collection, at worst the one at interpreter
+        # exit, when gloo's worker threads can no longer take the GIL (the process aborts). torch's
+        # DDP goes with its last reference; so does ours.
+        ddp_ref = weakref.ref(self)
 
         def hook(param):
+            ddp = ddp_ref()
+            if ddp is None:  # the DDP is gone; the module's parameters live on without it
+                return
             # Decided at forward time, as torch's prepare_for_backward: a forward outside
             # no_sync() is reduced even when its backward runs inside the block.
-            if self._expect_hooks:
-                clock = self._ready_clock
+            if ddp._expect_hooks:
+                clock = ddp._ready_clock
                 if clock is None:
-                    on_ready(index, param)
+                    ddp._on_ready(index, param)
                 else:
                     entered = clock.enter()
-                    on_ready(index, param)
+                    ddp._on_ready(index, param)
                     clock.leave(index, entered)
-            elif self.find_unused_parameters and param.grad is not None:
+            elif ddp.find_unused_parameters and param.grad is not None:
                 # torch's locally-used map: a gradient accumulated under no_sync() counts as used
                 # until the synchronizing backward, which reduces it on every rank. (The hook also
                 # fires, .grad None, for a parameter behind an output the loss left out.)
-                self._used_in_window.add(index)
+                ddp._used_in_window.add(index)
         return hook
 
     def _on_ready(self, index: int, param) -> None:

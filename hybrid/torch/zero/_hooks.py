@@ -35,6 +35,7 @@ from hybrid.torch.ddp._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch.zero._zero1 import ZeroRedundancyOptimizer
 from hybrid.torch._collectives import wait_all
+from hybrid.torch._teardown import collect_cycles_at_exit
 from hybrid.torch.zero._parts import _refuse_sparse
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -58,6 +59,7 @@ class _Overlap:
             raise ValueError("Overlapping DDP with ZeRO only supports a single parameter group, got "
                              f"{len(zero.param_groups)}")
         self.ddp, self.zero, self.shard_buckets = ddp, zero, bool(shard_buckets)
+        collect_cycles_at_exit()  # the DDP holds the hook, the hook this: a cycle, as in torch's
         self.name = "hook_with_zero_step_interleaved" if own_group else "hook_with_zero_step"  # in errors
         _refuse_sparse(ddp, self.name)
         self.group = ddp.process_group

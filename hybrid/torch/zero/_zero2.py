@@ -26,6 +26,7 @@ from hybrid.torch._flat import params_into_flat
 from hybrid.torch.zero._zero2_grads import GradientInShards, clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState, _take
 from hybrid.torch._collectives import all_gather_into, reduce_scatter_into, wait_all
+from hybrid.torch._teardown import collect_cycles_at_exit
 from hybrid.torch.zero._parts import _refuse_sparse, resolve_groups
 
 __all__ = ["ZeRO2"]
@@ -139,6 +140,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         self.state = self.optim.state
         module.register_comm_hook(None, self._hook)
         module._comm_hook_owns_grads = True
+        collect_cycles_at_exit()  # the DDP and this optimizer now refer to each other
         # The stand-ins must be gone before autograd accumulates into .grad again.
         module.register_forward_pre_hook(lambda *_: self._drop_stand_ins())
 
