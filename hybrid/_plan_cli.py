@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid import _project_cli
+from hybrid import _plan_pair, _project_cli
 from hybrid._examples import EXAMPLES
 from hybrid._table import format_table, human_bytes
 from hybrid.core import (MiB, OPTIMIZER_STATE_COPIES, STAGES, TensorSpec, forward_order, itemsize, partition_params,
@@ -62,6 +62,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         help="a torch module: FACTORY() is called and its trainable parameters planned")
     source.add_argument("--specs", metavar="FILE", type=Path,
                         help='JSON list of specs: [{"name": .., "shape": [..], "dtype": "float32"}, ..]')
+    _plan_pair.add_arguments(p, source)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap in MiB (torch's bucket_cap_mb)")
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="cap of the first bucket in MiB")
     p.add_argument("--world-size", type=int, default=4, help="number of data-parallel ranks for the ZeRO view")
@@ -192,7 +193,9 @@ def compile_report(args, specs, size_limits) -> dict:
             "buckets": [[specs[m].name for m in b.members] for b in buckets.buckets]}
 
 
-def build_report(label: str, specs, args) -> dict:
+def build_report(label: str, specs, args, plan=None) -> dict:
+    """The report of ``specs`` at the command line's caps (``plan``: one planned already, e.g. in a
+    gradient-ready order)."""
     for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
         if getattr(args, name) < 0:
             raise SystemExit(f"hybrid plan: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -200,8 +203,9 @@ def build_report(label: str, specs, args) -> dict:
         raise SystemExit(f"hybrid plan: --world-size must be >= 1, got {args.world_size}")
     if args.prefetch < 0:
         raise SystemExit(f"hybrid plan: --prefetch must be >= 0, got {args.prefetch}")
-    plan = plan_buckets(specs, bucket_cap_bytes=int(args.bucket_cap_mb * MiB),
-                        first_bucket_cap_bytes=int(args.first_bucket_cap_mb * MiB))
+    if plan is None:
+        plan = plan_buckets(specs, bucket_cap_bytes=int(args.bucket_cap_mb * MiB),
+                            first_bucket_cap_bytes=int(args.first_bucket_cap_mb * MiB))
     partition = partition_params(specs, args.world_size)
     shards = shard_flat(plan, args.world_size)
     memory = zero_memory(specs, args.world_size, args.optimizer, master_weights=args.master_weights)
@@ -287,6 +291,8 @@ def print_report(report: dict) -> None:
                                               [f"{sent[k] / sent['ddp']:.2f}x" if sent["ddp"] else "-" for k in names]]))
     print(f"\nPaper formulas per rank: DDP {human_bytes(f['ddp'])}, ZeRO-1 {human_bytes(f['zero1'])}, "
           f"ZeRO-2 {human_bytes(f['zero2'])}, ZeRO-3 {human_bytes(f['zero3'])}")
+    if "pairing" in report:
+        _plan_pair.print_pairing(report["pairing"])
     if "compile" in report:
         print_compile(report["compile"])
     print(f"\n{LEGEND}\n\n{NEXT}")
@@ -318,8 +324,18 @@ def print_compile(view: dict) -> None:
 
 
 def run(args) -> int:
-    label, specs = load_specs(args)
-    report = build_report(label, specs, args)
+    _plan_pair.check_arguments(args)
+    if args.jax is not None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):  # checked before the JAX half is traced
+            if getattr(args, name) < 0:
+                raise SystemExit(f"hybrid plan: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+        label, plan, pairing = _plan_pair.pair_plan(args)
+        specs = plan.specs
+        report = build_report(label, specs, args, plan=plan)
+        report["pairing"] = pairing
+    else:
+        label, specs = load_specs(args)
+        report = build_report(label, specs, args)
     if args.compile:
         report["compile"] = compile_report(args, specs, tuple(report["size_limits"]))
     if args.project:

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from hybrid.parity._report import SideRun
 from hybrid.parity._spec import OptimizerSpec, pair_of, rank_rows, tree_map
@@ -87,3 +88,26 @@ def train_torch_world(job: dict, *, world_size: int, timeout_s: float, progress=
     """:func:`train_rank` on a spawned gloo world of ``world_size`` ranks; rank 0's result."""
     from hybrid.demo import spawn_world
     return spawn_world(train_rank, job, world_size=world_size, timeout_s=timeout_s, progress=progress)
+
+
+def torch_ddp_buckets(module: torch.nn.Module, backward, *, bucket_cap_mb: float | None = None) -> list[list[str]]:
+    """The parameter names of each bucket of torch's own ``DistributedDataParallel`` over ``module``
+    after its rebuild, in bucket order, as a comm hook sees them in the second iteration (the
+    first observes the gradient-ready order). ``backward(ddp, step)`` runs one step's forward and
+    backward; the process group must be initialised. The oracle of the plans hybrid builds.
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    caps = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = torch.nn.parallel.DistributedDataParallel(module, **caps)
+    seen: dict[int, list[str]] = {}
+
+    def record(state, bucket):
+        seen[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, record)
+    for step in range(2):
+        seen.clear()
+        module.zero_grad(set_to_none=True)
+        backward(ddp, step)
+    return [seen[b] for b in sorted(seen)]

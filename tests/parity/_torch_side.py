@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from hybrid.demo import (TrainConfig, build_torch, global_batch, init_params, rank_rows, torch_model,
                          train_torch_runs)
 from hybrid.demo._torch_run import torch_ddp
+from hybrid.parity._run_torch import torch_ddp_buckets as rebuilt_buckets
 
 
 def _rows(config: TrainConfig, step: int):
@@ -95,23 +96,12 @@ def zero2_shards(config: TrainConfig) -> list[dict]:
 def torch_ddp_buckets(config: TrainConfig) -> list[list[str]]:
     """The parameter names of each bucket of torch's own DistributedDataParallel after its
     rebuild, in bucket order (as a comm hook sees them in the second iteration)."""
-    model = torch_model(init_params(config.seed, config.sizes))
-    names = {id(p): n for n, p in model.named_parameters()}
-    cap_mb = {} if config.bucket_cap_bytes is None else dict(bucket_cap_mb=config.bucket_cap_bytes / (1 << 20))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, **cap_mb)
-    seen = {}
+    cap_mb = None if config.bucket_cap_bytes is None else config.bucket_cap_bytes / (1 << 20)
 
-    def hook(state, bucket):
-        seen[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
-        return allreduce_hook(None, bucket)
-
-    ddp.register_comm_hook(None, hook)
-    for step in range(2):  # the first iteration observes the ready order, the second runs the rebuilt buckets
-        seen.clear()
-        model.zero_grad(set_to_none=True)
+    def backward(ddp, step):
         x, y = _rows(config, step)
         F.cross_entropy(ddp(x), y).backward()
-    return [seen[b] for b in sorted(seen)]
+    return rebuilt_buckets(torch_model(init_params(config.seed, config.sizes)), backward, bucket_cap_mb=cap_mb)
 
 
 def torch_side(configs, pack_configs, shard_config, *, progress=None) -> dict:

@@ -1,0 +1,163 @@
+"""``python -m hybrid plan --jax PKG.MOD:FACTORY``: the plan of a JAX model through a mapping.
+
+The JAX half is a parity factory (``() -> (params, loss_fn(params, batch))``, as
+``python -m hybrid parity`` takes). Its tree is paired with torch's names and layouts
+(:class:`hybrid.core.ParamMapping`, flax linen's rules unless ``--mapping`` names another), and
+planned as ``hybrid.jax`` plans it with that pairing: over torch's tensors, in the gradient-ready
+order of the JAX backward when ``--data`` gives a batch to trace it with (what torch's DDP holds
+after its rebuild), else in torch's registration order (what it holds before). Each tensor is
+listed with its names on both sides, its layout and the rule that placed it.
+
+With ``--torch PKG.MOD:FACTORY`` too, the torch half's names and shapes are the pairing's other
+side (a tensor the mapping cannot place is an error naming it), and, with ``--data``, torch's own
+``DistributedDataParallel`` trains two steps on one gloo rank and its buckets after the rebuild are
+compared with the plan, bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+
+from hybrid._table import format_table
+from hybrid.core import MiB, BucketPlan, ParamMapping, ParamPairing
+
+
+def add_arguments(p, source) -> None:
+    source.add_argument("--jax", metavar="PKG.MOD:FACTORY",
+                        help="a JAX model: FACTORY() -> (params, loss_fn(params, batch)), paired with torch's "
+                             "names through --mapping and planned as hybrid.jax plans it")
+    p.add_argument("--torch", metavar="PKG.MOD:FACTORY",
+                   help="with --jax: the torch half, FACTORY() -> (module, loss_fn(module, batch)); its names "
+                        "are the pairing's other side, and with --data torch's own DDP buckets are the check")
+    p.add_argument("--mapping", metavar="PKG.MOD:NAME",
+                   help="with --jax: a hybrid.core.ParamMapping (default: flax linen's rules)")
+    p.add_argument("--data", metavar="PKG.MOD:FN",
+                   help="with --jax: data(step) -> a global batch; step 0's traces the backward for the "
+                        "gradient-ready order (the plan torch's DDP holds after its rebuild)")
+
+
+def check_arguments(args) -> None:
+    if args.jax is None:
+        for name in ("torch", "mapping", "data"):
+            if getattr(args, name) is not None:
+                raise SystemExit(f"hybrid plan: --{name} goes with --jax (the JAX half it pairs with)")
+    elif args.compile:
+        raise SystemExit("hybrid plan: --compile traces a torch module: give --module, not --jax")
+
+
+def pair_plan(args) -> tuple[str, BucketPlan, dict]:
+    """The plan of ``--jax``'s tree through the mapping, and the pairing section of the report."""
+    from hybrid.parity._spec import load_factory, load_reference
+
+    from hybrid.jax._ready import gradient_ready_order
+    from hybrid.jax._specs import _Layout, _leaves
+
+    try:
+        params, loss_fn = load_factory(args.jax, "--jax")()
+        mapping = ParamMapping.flax() if args.mapping is None else load_reference(args.mapping, "--mapping")
+        batch = None if args.data is None else load_factory(args.data, "--data")(0)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"hybrid plan: {e}")
+    if not isinstance(mapping, ParamMapping):
+        raise SystemExit(f"hybrid plan: --mapping {args.mapping!r} is a {type(mapping).__name__}, not a "
+                         "hybrid.core.ParamMapping")
+    torch_pair = None
+    if args.torch is not None:
+        import torch
+        torch.manual_seed(0)
+        torch_pair = load_factory(args.torch, "--torch")()
+    pairing = _pairing(params, mapping, torch_pair)
+    ready = None if batch is None else gradient_ready_order(loss_fn, params, batch)
+    layout = _Layout.of(params, what="hybrid plan", order=None, ready_order=ready, pairing=pairing,
+                        bucket_cap_bytes=int(args.bucket_cap_mb * MiB),
+                        first_bucket_cap_bytes=int(args.first_bucket_cap_mb * MiB))
+    plan = layout.plan
+    order = "ready" if ready is not None else ("registration" if torch_pair is not None else "leaves")
+    section = {"order": order, "pairing_fingerprint": pairing.fingerprint(),
+               "tensors": _rows(plan, pairing)}
+    if torch_pair is not None and batch is not None:
+        section["torch_check"] = _torch_check(torch_pair, batch, plan, args)
+    names, _, _ = _leaves(params)
+    return f"{args.jax} ({len(names)} JAX leaves, paired with torch's names)", plan, section
+
+
+def _pairing(params, mapping: ParamMapping, torch_pair) -> ParamPairing:
+    from hybrid.core import MappingError
+    from hybrid.jax._specs import _leaves
+    try:
+        if torch_pair is not None:
+            from hybrid.parity._bridge import pair_models
+            return pair_models(torch_pair[0], params, mapping)
+        names, leaves, _ = _leaves(params)
+        return mapping.pair(dict(zip(names, (tuple(x.shape) for x in leaves))))
+    except MappingError as e:
+        raise SystemExit(f"hybrid plan: {e}")
+
+
+def _rows(plan: BucketPlan, pairing: ParamPairing) -> list[dict]:
+    """One row per tensor in the order the buckets are reduced: its bucket and both sides' names."""
+    by_torch = {p.torch: p for p in pairing.pairs}
+    rows = []
+    for b, bucket in enumerate(plan.buckets):
+        for m in bucket.members:
+            p = by_torch[plan.specs[m].name]
+            rows.append({"bucket": b, "torch": p.torch, "jax": p.jax, "torch_shape": list(p.torch_shape),
+                         "jax_shape": list(p.jax_shape), "layout": str(p.layout), "rule": p.rule})
+    return rows
+
+
+def _torch_check(torch_pair, batch, plan: BucketPlan, args) -> dict:
+    """torch's own DistributedDataParallel on one gloo rank, two steps at the same caps: its buckets
+    after the rebuild (parameter names, as a comm hook sees them) against ``plan``'s."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._pytree import tree_map
+
+    from hybrid.demo._torch_run import free_port
+    from hybrid.parity._run_torch import torch_ddp_buckets
+
+    if args.first_bucket_cap_mb != 1.0:
+        # torch's DDP has no first-bucket cap argument: it is always 1 MiB
+        return {"skipped": "torch's DDP always caps its first bucket at 1 MiB; --first-bucket-cap-mb differs"}
+    module, loss_fn = torch_pair
+    tensors = tree_map(lambda x: torch.from_numpy(np.asarray(x)), batch)  # as the parity harness's ranks
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        theirs = torch_ddp_buckets(module, lambda ddp, step: loss_fn(ddp, tensors).backward(),
+                                   bucket_cap_mb=args.bucket_cap_mb)
+    finally:
+        dist.destroy_process_group()
+    ours = [[plan.specs[m].name for m in b.members] for b in plan.buckets]
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is None and len(ours) != len(theirs):
+        first = min(len(ours), len(theirs))
+    return {"equal": first is None, "torch_buckets": theirs, "first_difference": first}
+
+
+def print_pairing(section: dict) -> None:
+    order = {"ready": "the JAX backward's gradient-ready order, as torch's DDP holds them after its rebuild",
+             "registration": "torch's registration order, as torch's DDP holds them before its first rebuild "
+                             "(give --data for after)",
+             "leaves": "the JAX tree's leaf order (give --torch for torch's registration order, --data for the "
+                       "order torch's DDP rebuilds in)"}[section["order"]]
+    print(f"\nTensors on both sides, bucket by bucket ({order}; pairing {section['pairing_fingerprint']}):")
+    print(format_table(["bucket", "torch name", "torch shape", "JAX name", "JAX shape", "layout", "rule"],
+                       [[r["bucket"], r["torch"], "x".join(map(str, r["torch_shape"])) or "scalar", r["jax"],
+                         "x".join(map(str, r["jax_shape"])) or "scalar", r["layout"], r["rule"]]
+                        for r in section["tensors"]]))
+    check = section.get("torch_check")
+    if check is None:
+        return
+    if "skipped" in check:
+        print(f"\ntorch's own DDP not compared: {check['skipped']}")
+    elif check["equal"]:
+        print(f"\ntorch's own DistributedDataParallel after its rebuild (2 steps, 1 gloo rank, same caps): the same "
+              f"{len(check['torch_buckets'])} bucket(s), tensor for tensor")
+    else:
+        k = check["first_difference"]
+        theirs = check["torch_buckets"][k] if k < len(check["torch_buckets"]) else "(none)"
+        print(f"\ntorch's own DistributedDataParallel after its rebuild DIFFERS from this plan at bucket {k}: "
+              f"torch holds {theirs}")
