@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from hybrid.core._buckets import BucketPlan, plan_buckets, rebuild_plan
+from hybrid.core._buckets import BucketPlan, _check_limits, plan_buckets, rebuild_plan
 from hybrid.core._dtypes import itemsize
 from hybrid.core._shard import FlatShardPlan
 from hybrid.core._spec import check_specs
@@ -167,10 +167,11 @@ def zero3_bucket_cap(specs) -> int:
     return min(ZERO3_CAP_CEILING, max(ZERO3_CAP_FLOOR, total // ZERO3_BUCKETS))
 
 
-def zero3_plan(specs, *, bucket_cap_bytes: int | None = None) -> BucketPlan:
+def zero3_plan(specs, *, bucket_cap_bytes: int | None = None, first_bucket_cap_bytes: int | None = None) -> BucketPlan:
     """Stage 3's bucket plan: the tensors assigned in reverse registration order, the buckets in
-    that order (bucket 0 the last layers), caps ``(min(1 MiB, cap), cap)`` with ``cap``
-    :func:`zero3_bucket_cap` by default.
+    that order (bucket 0 the last layers), caps ``(first, cap)`` with ``cap``
+    :func:`zero3_bucket_cap` and ``first`` ``min(1 MiB, cap)`` by default (a ``first`` at or
+    above ``cap`` is ignored, as in :func:`plan_buckets`).
 
     It is the plan DDP rebuilds after its first iteration when gradients arrive in reverse
     registration order, and a bucket is the unit of gathering here: assigned backwards, a bucket
@@ -189,6 +190,6 @@ def zero3_plan(specs, *, bucket_cap_bytes: int | None = None) -> BucketPlan:
     """
     specs = check_specs(specs)
     cap = zero3_bucket_cap(specs) if bucket_cap_bytes is None else int(bucket_cap_bytes)
-    first = min(1 << 20, cap)
-    plan = plan_buckets(specs, bucket_cap_bytes=cap, first_bucket_cap_bytes=first)
-    return rebuild_plan(plan, list(reversed(range(len(specs)))), size_limits=(first, cap) if first < cap else (cap,))
+    first = min(1 << 20, cap) if first_bucket_cap_bytes is None else int(first_bucket_cap_bytes)
+    limits = _check_limits(cap, first)  # as plan_buckets: a first cap at or above the cap is ignored
+    return rebuild_plan(plan_buckets(specs, size_limits=limits), list(reversed(range(len(specs)))), size_limits=limits)

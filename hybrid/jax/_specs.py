@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid.core import (BucketPlan, FlatShardPlan, ParamPairing, TensorSpec, canonical_dtype, plan_buckets,
-                         rebuild_plan, shard_flat)
+                         rebuild_plan, shard_flat, zero3_plan)
 
 
 def _entry_name(entry) -> str:
@@ -107,36 +107,32 @@ class _Layout:
     @classmethod
     def of(cls, tree, *, what: str, order, bucket_cap_bytes: int, first_bucket_cap_bytes: int,
            ready_order=None, pairing: ParamPairing | None = None, plan: BucketPlan | None = None) -> "_Layout":
-        names, leaves, treedef = _leaves(tree)
-        if not leaves:
-            raise ValueError(f"{what}: the tree has no leaves, nothing to bucket")
-        for n, x in zip(names, leaves):
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                raise TypeError(f"{what}: leaf {n!r} has dtype {x.dtype}; only floating-point "
-                                f"gradients and parameters can be bucketed")
-        layouts = None
-        if pairing is None:
-            perm = _order(names, order)
-            tree_specs = specs(tree, order=order)
-        else:
-            if order is not None:
-                raise ValueError(f"{what}: give order or pairing, not both (the pairing holds torch's registration order)")
-            where = {n: i for i, n in enumerate(names)}
-            unknown = [p.jax for p in pairing.pairs if p.jax not in where]
-            unpaired = sorted(set(names) - set(pairing.jax_names))
-            if unknown or unpaired:
-                raise ValueError(f"{what}: the pairing does not fit the tree: pairing tensors not in the tree "
-                                 f"{unknown}, leaves the pairing does not place {unpaired}")
-            perm = [where[p.jax] for p in pairing.pairs]
-            tree_specs = tuple(TensorSpec(p.torch, p.torch_shape, canonical_dtype(np.dtype(leaves[i].dtype)))
-                               for p, i in zip(pairing.pairs, perm))
-            layouts = tuple((p.layout, p.jax_shape) for p in pairing.pairs)
+        tree_specs, perm, treedef, layouts = _paired_specs(tree, what, order, pairing)
         if plan is not None:
-            return cls(_given(plan, tree_specs, ready_order, what), tuple(perm), treedef, layouts)
+            return cls(_given(plan, tree_specs, ready_order, what), perm, treedef, layouts)
         plan = plan_buckets(tree_specs, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
         if ready_order is not None:
             plan = _rebuilt(plan, ready_order, pairing, what)
-        return cls(plan, tuple(perm), treedef, layouts)
+        return cls(plan, perm, treedef, layouts)
+
+    @classmethod
+    def zero3(cls, tree, *, what: str, order, bucket_cap_bytes: int | None, first_bucket_cap_bytes: int | None,
+              pairing: ParamPairing | None = None, plan: BucketPlan | None = None) -> "_Layout":
+        """The layout of ZeRO stage 3: :func:`hybrid.core.zero3_plan` over the tree's specs (in
+        ``order``, or torch's names and order through ``pairing``), the plan of torch's ``ZeRO3``."""
+        tree_specs, perm, treedef, layouts = _paired_specs(tree, what, order, pairing)
+        if plan is not None:
+            return cls(_given(plan, tree_specs, None, what), perm, treedef, layouts)
+        plan = zero3_plan(tree_specs, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
+        return cls(plan, perm, treedef, layouts)
+
+    def abstract(self) -> object:
+        """The tree as ``jax.ShapeDtypeStruct``s of its leaves (JAX's shapes, not the specs' torch layouts)."""
+        leaves = [None] * len(self.leaf_of_spec)
+        for i, (spec, leaf) in enumerate(zip(self.plan.specs, self.leaf_of_spec)):
+            shape = spec.shape if self.layouts is None else self.layouts[i][1]
+            leaves[leaf] = jax.ShapeDtypeStruct(shape, spec.dtype)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def spec_arrays(self, tree) -> list:
         leaves = jax.tree_util.tree_leaves(tree)
@@ -160,6 +156,32 @@ class _Layout:
 
     def shards(self, world_size: int) -> FlatShardPlan:
         return shard_flat(self.plan, world_size)
+
+
+def _paired_specs(tree, what: str, order, pairing: ParamPairing | None):
+    """``(specs, leaf index of each spec, treedef, per-spec (layout, leaf shape) or None)``: the
+    tree's specs in ``order`` or, with a pairing, torch's names, shapes and registration order."""
+    names, leaves, treedef = _leaves(tree)
+    if not leaves:
+        raise ValueError(f"{what}: the tree has no leaves, nothing to bucket")
+    for n, x in zip(names, leaves):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{what}: leaf {n!r} has dtype {x.dtype}; only floating-point "
+                            f"gradients and parameters can be bucketed")
+    if pairing is None:
+        return specs(tree, order=order), tuple(_order(names, order)), treedef, None
+    if order is not None:
+        raise ValueError(f"{what}: give order or pairing, not both (the pairing holds torch's registration order)")
+    where = {n: i for i, n in enumerate(names)}
+    unknown = [p.jax for p in pairing.pairs if p.jax not in where]
+    unpaired = sorted(set(names) - set(pairing.jax_names))
+    if unknown or unpaired:
+        raise ValueError(f"{what}: the pairing does not fit the tree: pairing tensors not in the tree "
+                         f"{unknown}, leaves the pairing does not place {unpaired}")
+    perm = [where[p.jax] for p in pairing.pairs]
+    tree_specs = tuple(TensorSpec(p.torch, p.torch_shape, canonical_dtype(np.dtype(leaves[i].dtype)))
+                       for p, i in zip(pairing.pairs, perm))
+    return tree_specs, tuple(perm), treedef, tuple((p.layout, p.jax_shape) for p in pairing.pairs)
 
 
 def _given(plan: BucketPlan, tree_specs, ready_order, what: str) -> BucketPlan:
@@ -190,8 +212,11 @@ def _rebuilt(plan: BucketPlan, ready_order, pairing: ParamPairing | None, what: 
     return rebuild_plan(plan, [index[n] for n in names], size_limits=plan.size_limits)
 
 
-def check_caps(bucket_cap_bytes, first_bucket_cap_bytes) -> None:
+def check_caps(bucket_cap_bytes, first_bucket_cap_bytes, *, none_ok: bool = False) -> None:
+    """Raise unless each cap is an int >= 0 (or None, the default, where ``none_ok``)."""
     for name, v in (("bucket_cap_bytes", bucket_cap_bytes), ("first_bucket_cap_bytes", first_bucket_cap_bytes)):
+        if v is None and none_ok:
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
 

@@ -171,7 +171,9 @@ def test_collectives_per_bucket(reshard_after_forward):
     # gradient). Layer 0's weight multiplies only the input, which is not differentiated, and
     # for scale ** 2 JAX computes the derivative 2 * scale in the forward and keeps that.
     counts, nonempty, compiled = _lowered_counts(reshard_after_forward)
-    assert nonempty == 3  # two float32 buckets and the bf16 one
+    # zero3_plan in leaf order (a bias before its weight, so layer 1's bias shares a bucket with
+    # layer 0's weight): three float32 buckets, and the bf16 one.
+    assert nonempty == 4
     # The backward packs each bucket's gradient with one concatenate (the transpose of
     # gather_params' split), never a bucket-sized pad per member (the transpose of slices).
     assert counts == {"all_reduce": 0, "reduce_scatter": nonempty,

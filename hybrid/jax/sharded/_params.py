@@ -18,8 +18,7 @@ import functools
 import jax
 import numpy as np
 
-from hybrid.core import (DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, FlatShardPlan, bucket_pieces,
-                         forward_order, unpack)
+from hybrid.core import BucketPlan, FlatShardPlan, ParamPairing, bucket_pieces, forward_order, unpack
 from hybrid.jax._copy import check_backend, pack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps
 
@@ -76,15 +75,19 @@ def local_slices(layout: _Layout, shards: FlatShardPlan, tree, rank, cuda: bool)
     return tuple(out)
 
 
-def shard_params(params, axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                 first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES, order=None,
+def shard_params(params, axis_name, *, bucket_cap_bytes: int | None = None, first_bucket_cap_bytes: int | None = None,
+                 order=None, pairing: ParamPairing | None = None, plan: BucketPlan | None = None,
                  copy_backend: str | None = None) -> ParamShards:
     """This device's flat slice of every bucket of ``params`` (replicated), for ZeRO stage 3.
 
     Run where ``axis_name`` is bound (``jax.shard_map`` with ``in_specs=P()`` for the params and
-    ``out_specs=P(axis_name)``, or ``jax.pmap``). The buckets are ``plan_buckets``' for these
-    caps and ``order`` (as :func:`hybrid.jax.zero`'s at stages 1 and 2), each cut by
-    ``shard_flat``: the layout of ZeRO-2's gradient slices and of checkpoint files.
+    ``out_specs=P(axis_name)``, or ``jax.pmap``). The buckets are :func:`hybrid.core.zero3_plan`'s,
+    the plan of ``hybrid.torch.ZeRO3``: the tensors in reverse registration order (``order``, or
+    torch's names and layouts through ``pairing``, as at stages 1 and 2), capped at
+    ``bucket_cap_bytes`` (default :func:`hybrid.core.zero3_bucket_cap`, as ZeRO3's
+    ``bucket_cap_mb=None``) and ``first_bucket_cap_bytes`` (default ``min(1 MiB, cap)``); or
+    ``plan``, cut as it is. Each bucket is cut by ``shard_flat``: the layout of ZeRO-2's gradient
+    slices and of checkpoint files.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -94,13 +97,13 @@ def shard_params(params, axis_name, *, bucket_cap_bytes: int = DEFAULT_BUCKET_CA
     >>> shards.buckets[0].tolist()  # the padded bucket: 2 slices of 2
     [0.0, 1.0, 2.0, 0.0]
     """
-    check_caps(bucket_cap_bytes, first_bucket_cap_bytes)
+    check_caps(bucket_cap_bytes, first_bucket_cap_bytes, none_ok=True)
     check_backend(copy_backend)
     if not isinstance(axis_name, str):
         raise TypeError(f"shard_params: axis_name must be one mesh axis name (a str), got {axis_name!r}")
     n = axis_size(axis_name, "shard_params")
-    layout = _Layout.of(params, what="shard_params", order=order, bucket_cap_bytes=bucket_cap_bytes,
-                        first_bucket_cap_bytes=first_bucket_cap_bytes)
+    layout = _Layout.zero3(params, what="shard_params", order=order, pairing=pairing, plan=plan,
+                           bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
     shards = layout.shards(n)
     rank = jax.lax.axis_index(axis_name)
     return ParamShards(local_slices(layout, shards, params, rank, use_kernels(copy_backend)),

@@ -44,7 +44,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     :func:`hybrid.jax.shard_params`) with the gradient slices ``jax.grad`` returns through
     :func:`hybrid.jax.gathered` / :func:`hybrid.jax.gather_params` (already reduce-scattered;
     ``update`` divides by the axis size for the mean) and returns updates of the slices: no
-    collective of its own. The bucket plan travels with the shards, so the caps, ``order`` and
+    collective of its own. The bucket plan travels with the shards (``hybrid.core.zero3_plan``, the
+    plan of ``hybrid.torch.ZeRO3``), so the caps, ``order``, ``pairing``, ``plan`` and
     ``copy_backend`` go to ``shard_params`` instead (given here at stage 3, a ValueError).
     Its state is the stage-2 state of the same plan (see docs/jax.md, "ZeRO-3").
 
@@ -99,7 +100,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
                                        pairing=pairing, plan=plan).items() if v != _DEFAULTS[k]}
         if given:
             raise ValueError(f"zero(stage=3): {sorted(given)} would have no effect: at stage 3 the bucket plan "
-                             f"travels with the ParamShards; pass them to hybrid.jax.shard_params")
+                             f"travels with the ParamShards; pass them to hybrid.jax.shard_params (its plan is "
+                             f"hybrid.core.zero3_plan, torch ZeRO3's: reverse registration order, no ready_order)")
         return zero3(inner, axis_name, mean=mean, check_elementwise=check_elementwise)
     check_caps(bucket_cap_bytes, first_bucket_cap_bytes)
     check_backend(copy_backend)

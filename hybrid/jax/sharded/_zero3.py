@@ -22,8 +22,7 @@ from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, shard_
 def _abstract_params(shards: ParamShards):
     """The params tree as shapes and dtypes: what a callable mask or label function is given at
     stage 3, where no device holds the tree (optax calls them with params or updates)."""
-    lay = shards.layout.layout
-    return lay.unflatten({i: jax.ShapeDtypeStruct(s.shape, s.dtype) for i, s in enumerate(lay.plan.specs)})
+    return shards.layout.layout.abstract()
 
 
 def zero3(inner: optax.GradientTransformation, axis_name, *, mean: bool,
