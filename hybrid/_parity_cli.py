@@ -27,7 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--world-size", type=int, default=2, help="torch gloo ranks (default 2)")
     p.add_argument("--devices", type=int, default=2, help="JAX host devices (default 2)")
-    p.add_argument("--stage", type=int, default=1, help="0: DDP alone, 1: ZeRO-1, 2: ZeRO-2 (default 1)")
+    p.add_argument("--stage", type=int, default=1, help="0: DDP alone, 1: ZeRO-1, 2: ZeRO-2, 3: ZeRO-3 (default 1)")
     p.add_argument("--optimizer", default="adam", help="sgd, adam or adamw (default adam)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -44,8 +44,8 @@ def _problem(args) -> str | None:
     for name in ("steps", "world_size", "devices"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-    if args.stage not in (0, 1, 2):
-        return f"--stage must be 0, 1 or 2, got {args.stage}"
+    if args.stage not in (0, 1, 2, 3):
+        return f"--stage must be 0, 1, 2 or 3, got {args.stage}"
     if args.seed < 0:
         return f"--seed must be >= 0, got {args.seed}"
     for name in ("lr", "eps", "weight_decay", "momentum"):

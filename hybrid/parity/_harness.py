@@ -22,7 +22,7 @@ from hybrid.parity._bridge import jax_tree, named_torch, pair_models
 from hybrid.parity._report import ParityReport, SideRun, Tolerance, compare
 from hybrid.parity._spec import OptimizerSpec, check_split, count, global_batches, pair_of, portable
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
 
 def _check_stage(stage) -> int:
     if stage not in STAGES:
-        raise ValueError(f"stage must be 0 (DDP alone), 1 (ZeRO-1) or 2 (ZeRO-2), got {stage!r}")
+        raise ValueError(f"stage must be 0 (DDP alone), 1 (ZeRO-1), 2 (ZeRO-2) or 3 (ZeRO-3), got {stage!r}")
     return stage
 
 
@@ -99,7 +99,8 @@ def _check_save(setup: ParitySetup, save_at, save_to) -> None:
 def train_torch(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
                 save_to=None, timeout_s: float = 300, progress=None) -> SideRun:
     """The torch side: ``hybrid.torch.DistributedDataParallel`` at torch's default caps (+
-    ``ZeroRedundancyOptimizer`` for stage 1, ``ZeRO2`` for stage 2) on ``world_size`` spawned gloo
+    ``ZeroRedundancyOptimizer`` for stage 1, ``ZeRO2`` for stage 2), or ``hybrid.torch.ZeRO3`` +
+    ``ZeRO3Optimizer`` (stage 3, ZeRO3's default plan), on ``world_size`` spawned gloo
     ranks, rank ``r`` on rows ``[r B / W, (r + 1) B / W)``. ``resume`` / ``save_at`` + ``save_to``:
     checkpoints of :mod:`hybrid.checkpoint.torch`. A rank that fails or hangs raises here (with its
     traceback) within ``timeout_s``."""
@@ -118,7 +119,8 @@ def train_jax(setup: ParitySetup, *, num_devices: int = 2, stage: int = 1, resum
               save_to=None, progress=None) -> SideRun:
     """The JAX side: ``hybrid.jax.zero`` at ``stage`` (stage 0: ``bucketed_all_reduce`` then the
     optimizer) under ``shard_map`` on this process's first ``num_devices`` devices, planned from
-    the JAX backward's ready order through the pairing (torch's plan). ``resume`` / ``save_at`` +
+    the JAX backward's ready order through the pairing (torch's plan); stage 3 on
+    ``hybrid.jax.shard_params``' slices through the pairing (torch ZeRO3's plan). ``resume`` / ``save_at`` +
     ``save_to``: checkpoints of :mod:`hybrid.checkpoint.jax` under torch's names and layouts."""
     from hybrid.parity._run_jax import train_jax as run
 

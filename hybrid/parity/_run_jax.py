@@ -1,10 +1,12 @@
 """The JAX side of a parity run: ``hybrid.jax.zero`` (or ``bucketed_all_reduce``) under ``shard_map``
-over this process's first devices, planned as torch's DDP plans after its rebuild.
+over this process's first devices, planned as torch's DDP plans after its rebuild; at stage 3,
+``zero(..., stage=3)`` on :func:`hybrid.jax.shard_params`' slices, planned as torch's ZeRO3.
 
 The plan: the gradient-ready order of the user's own backward (:func:`hybrid.jax.gradient_ready_order`)
 and the pairing with torch's tensors (``pairing=``), at torch's default caps, so the buckets and
-their fingerprint are those of the torch side. Device ``r`` gets rank ``r``'s rows of each global
-batch; matmuls run at float32 ("highest") precision while the step is traced.
+their fingerprint are those of the torch side (stage 3: ``hybrid.core.zero3_plan`` through the
+pairing, ZeRO3's default). Device ``r`` gets rank ``r``'s rows of each global batch; matmuls run
+at float32 ("highest") precision while the step is traced.
 """
 
 from __future__ import annotations
@@ -54,6 +56,28 @@ def plan_fingerprint(setup, ready) -> str:
                       **CAPS).plan.fingerprint()
 
 
+def _stage3(setup, mesh: Mesh, num_devices: int):
+    """``(init, step, shards, fingerprint)`` of stage 3: the ParamShards of the setup's params on
+    ZeRO3's plan, and the jitted steps that train them."""
+    loss_fn = setup.jax_loss
+    tx = hj.zero(setup.optimizer.optax(setup.jax_params), AXIS, stage=3)
+    cut = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, AXIS, pairing=setup.pairing), mesh=mesh, in_specs=P(),
+                                out_specs=P(AXIS)))
+    shards = cut(_global(setup.jax_params, mesh, P()))
+    specs = hj.state_specs(tx, shards, AXIS, axis_size=num_devices)
+    loss_of_shards = hj.gathered(loss_fn)  # gathers per bucket; its backward reduce-scatters
+
+    def step(shards, state, batch):
+        loss, grads = jax.value_and_grad(loss_of_shards)(shards, batch)
+        updates, state = tx.update(grads, state, shards)
+        return optax.apply_updates(shards, updates), state, jax.lax.pmean(loss, AXIS)
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(AXIS), out_specs=specs))
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS)),
+                                 out_specs=(P(AXIS), specs, P())), donate_argnums=(0, 1))
+    return init, step, shards, shards.layout.layout.plan.fingerprint()
+
+
 def train_jax(setup, *, num_devices: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
               save_to=None, progress=None) -> SideRun:
     """Train ``setup`` (a :class:`hybrid.parity.ParitySetup`) on ``num_devices`` devices.
@@ -66,25 +90,20 @@ def train_jax(setup, *, num_devices: int = 2, stage: int = 1, resume=None, save_
     loss_fn, params = setup.jax_loss, setup.jax_params
     example = tree_map(lambda x: jnp.asarray(_host(x)), rank_rows(setup.batches[0], 0, num_devices))
     with jax.default_matmul_precision("highest"):
-        ready = hj.gradient_ready_order(loss_fn, params, example)
-        tx = _transform(setup, params, ready, stage)
-        specs = hj.state_specs(tx, params, AXIS, axis_size=num_devices)
-
-        def step(params, state, batch):
-            grads, loss = hj.local_grad(lambda p: (loss_fn(p, batch),) * 2, AXIS, has_aux=True)(params)
-            updates, state = tx.update(grads, state, params)
-            # the mean of the devices' means: the global loss, as the torch side reports it
-            return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, AXIS)
-
-        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs, P())),
-                       donate_argnums=(0, 1))
-        params = _global(params, mesh, P())
+        if stage == 3:
+            # the plan travels with the shards: checkpoints take them as they are (torch's names)
+            ready, crossing = None, {}
+            init, step, params, fingerprint = _stage3(setup, mesh, num_devices)
+        else:
+            ready = hj.gradient_ready_order(loss_fn, params, example)
+            crossing = dict(mapping=setup.pairing, ready_order=ready)
+            init, step = _step(setup, mesh, num_devices, ready, stage)
+            params, fingerprint = _global(params, mesh, P()), plan_fingerprint(setup, ready)
         state = init(params)
         start = 0
         if resume is not None:
             from hybrid.checkpoint import jax as checkpoint
-            params, state, start = checkpoint.load(resume, params, state, mapping=setup.pairing, ready_order=ready)
+            params, state, start = checkpoint.load(resume, params, state, **crossing)
         losses = []
         t0 = time.perf_counter()
         for i in range(start, len(setup.batches)):
@@ -94,12 +113,32 @@ def train_jax(setup, *, num_devices: int = 2, stage: int = 1, resume=None, save_
                 progress(i, losses[-1])
             if save_to is not None and i + 1 == save_at:
                 from hybrid.checkpoint import jax as checkpoint
-                checkpoint.save(save_to, params, state, step=i + 1, mapping=setup.pairing, ready_order=ready,
-                                stage=stage or None, optimizer=setup.optimizer.name,
-                                hyperparameters=setup.optimizer.torch_group())
+                checkpoint.save(save_to, params, state, step=i + 1, stage=stage or None, optimizer=setup.optimizer.name,
+                                hyperparameters=setup.optimizer.torch_group(), **crossing)
         seconds = time.perf_counter() - t0
+    if stage == 3:
+        params = hj.unshard_params(params)
     names, leaves, _ = _leaves(params)
     named = setup.pairing.to_torch({n: np.asarray(x) for n, x in zip(names, leaves)})
     return SideRun(f"jax, {num_devices} device{'s' * (num_devices > 1)}", start, tuple(losses), named,
-                   plan_fingerprint(setup, ready), seconds)
+                   fingerprint, seconds)
+
+
+def _step(setup, mesh: Mesh, num_devices: int, ready, stage: int):
+    """``(init, step)`` of stages 0-2: replicated params, per-device gradients, ``zero`` (or
+    ``bucketed_all_reduce``) planned as torch's DDP after its rebuild."""
+    loss_fn, params = setup.jax_loss, setup.jax_params
+    tx = _transform(setup, params, ready, stage)
+    specs = hj.state_specs(tx, params, AXIS, axis_size=num_devices)
+
+    def step(params, state, batch):
+        grads, loss = hj.local_grad(lambda p: (loss_fn(p, batch),) * 2, AXIS, has_aux=True)(params)
+        updates, state = tx.update(grads, state, params)
+        # the mean of the devices' means: the global loss, as the torch side reports it
+        return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, AXIS)
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs, P())),
+                   donate_argnums=(0, 1))
+    return init, step
 

@@ -1,10 +1,11 @@
-"""The torch side of a parity run: hybrid's DistributedDataParallel (+ ZeRO) on spawned gloo ranks.
+"""The torch side of a parity run: hybrid's DistributedDataParallel (+ ZeRO), or ZeRO3, on spawned gloo ranks.
 
 Every rank builds the user's module and loss from the factory, takes the run's initial weights,
 wraps it in :class:`hybrid.torch.DistributedDataParallel` at torch's default bucket caps and
 steps the optimizer (stage 0: the plain ``torch.optim`` class; 1: ``ZeroRedundancyOptimizer``;
-2: ``ZeRO2``) on its rows of each global batch. Checkpoints go through
-:mod:`hybrid.checkpoint.torch`. This module imports no JAX.
+2: ``ZeRO2``) on its rows of each global batch; stage 3 wraps it in :class:`hybrid.torch.ZeRO3`
+(its default plan) with ``ZeRO3Optimizer``. Checkpoints go through :mod:`hybrid.checkpoint.torch`.
+This module imports no JAX.
 """
 
 from __future__ import annotations
@@ -18,10 +19,19 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from hybrid.parity._report import SideRun
 from hybrid.parity._spec import OptimizerSpec, pair_of, rank_rows, tree_map
-from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
+from hybrid.torch import DistributedDataParallel, ZeRO2, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer
 
-def _optimizer(ddp: DistributedDataParallel, spec: OptimizerSpec, stage: int):
+
+def _wrapped(module: torch.nn.Module, stage: int):
+    """The module as the stage trains it: ZeRO3 (its own plan) at stage 3, else DDP at torch's
+    default caps (25 MiB, the first bucket 1 MiB)."""
+    return ZeRO3(module) if stage == 3 else DistributedDataParallel(module)
+
+
+def _optimizer(ddp, spec: OptimizerSpec, stage: int):
     cls, kwargs = spec.torch_class(), spec.torch_group()
+    if stage == 3:
+        return ZeRO3Optimizer(ddp, cls, **kwargs)
     if stage == 0:
         return cls(ddp.parameters(), **kwargs)
     if stage == 1:
@@ -48,7 +58,7 @@ def train_rank(job: dict, progress=None) -> SideRun:
     every rank returns the same :class:`SideRun`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     module, loss_fn = _module(job["factory"], job["init"])
-    ddp = DistributedDataParallel(module)  # torch's default caps: 25 MiB, the first bucket 1 MiB
+    ddp = _wrapped(module, job["stage"])
     opt = _optimizer(ddp, job["optimizer"], job["stage"])
     start = 0
     if job["resume"] is not None:
@@ -76,10 +86,15 @@ def train_rank(job: dict, progress=None) -> SideRun:
             from hybrid.checkpoint import torch as checkpoint
             checkpoint.save(job["save_to"], ddp, opt, step=step + 1)
     seconds = time.perf_counter() - t0
-    # DDP rebuilds its buckets from the ready order at its second forward; a run of one step
-    # reports the plan it would have rebuilt, the plan every later step runs.
-    ddp._maybe_rebuild()
-    params = {n: p.detach().numpy().copy() for n, p in ddp.module.named_parameters()}
+    if isinstance(ddp, ZeRO3):
+        with ddp.gathered():  # the whole parameters, from every rank's slices
+            # cloned before .numpy(): a numpy view pins the gathered bucket, which ZeRO3 frees after
+            params = {n: p.detach().clone().numpy() for n, p in ddp.module.named_parameters()}
+    else:
+        # DDP rebuilds its buckets from the ready order at its second forward; a run of one step
+        # reports the plan it would have rebuilt, the plan every later step runs.
+        ddp._maybe_rebuild()
+        params = {n: p.detach().numpy().copy() for n, p in ddp.module.named_parameters()}
     return SideRun(f"torch, {world} rank{'s' * (world > 1)}", start, tuple(losses), params,
                    ddp.bucket_plan.fingerprint(), seconds)
 
