@@ -236,7 +236,9 @@ def _build_stage3(config: TrainConfig, mesh: Mesh, model: JaxModel, tree) -> Jax
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(AXIS), out_specs=specs))
     step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
                                  out_specs=(P(AXIS), specs, P())), donate_argnums=(0, 1))
-    named = lambda shards: model.named(hj.unshard_params(shards))  # noqa: E731
+    def named(shards):
+        return model.named(hj.unshard_params(shards))
+
     return JaxTraining(step, shards, init(shards), mesh, model._replace(named=named, layout={}),
                        shards.layout.layout.plan)
 
