@@ -188,8 +188,8 @@ def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = N
         if save_to and hi == save_at:
             checkpoint.save(save_to, ddp, opt, step=save_at, metadata={"config": config.to_json()})
     seconds = time.perf_counter() - t0
-    # ZeRO3's parameters are whole only inside gathered(); cloned before .numpy(), which would pin
-    # the gathered buffer (torch makes a storage numpy shares non-resizable, and ZeRO3 frees by resizing).
+    # ZeRO3's parameters are whole only inside gathered(); cloned, as a numpy view of them would
+    # keep the whole gathered bucket alive after the block.
     with ddp.gathered() if config.stage == 3 else contextlib.nullcontext():
         final = {n: p.detach().clone().numpy() for n, p in ddp.module.named_parameters()}
     return TrainResult(np.concatenate(losses), final, ddp.bucket_plan.fingerprint(), seconds, start_step,
