@@ -152,6 +152,8 @@ def make_optimizer(config: TrainConfig, layout: dict | None = None) -> optax.Gra
         inner = optax.adamw(config.lr, b1=b1, b2=b2, eps=config.eps, weight_decay=config.weight_decay)
     if config.clip_norm is not None:
         inner = optax.chain(hj.clip_by_global_norm(config.clip_norm, AXIS), inner)
+    if config.stage == 3:  # the plan travels with the ParamShards (shard_params), not with zero
+        return hj.zero(inner, AXIS, stage=3)
     return hj.zero(inner, AXIS, stage=config.stage, **(zero_layout(config) if layout is None else layout))
 
 
@@ -184,13 +186,16 @@ class JaxTraining(NamedTuple):
 
 def build_jax(config: TrainConfig, mesh: Mesh, params: dict[str, np.ndarray] | None = None) -> JaxTraining:
     """The jitted step and the initial state of ``config`` on ``mesh`` (axis ``"dp"``), from
-    ``params`` (default :func:`init_params` of the config). A checkpoint's state replaces
-    ``state`` between this and :func:`train_jax_steps`."""
+    ``params`` (default :func:`init_params` of the config); at stage 3 the run's params are the
+    global ``ParamShards``. A checkpoint's state replaces ``state`` between this and
+    :func:`train_jax_steps`."""
     pin_jax_numerics()
     if params is None:
         params = initial_params(config)
     model = jax_model(config, params)
     tree = model.tree(params)
+    if config.stage == 3:
+        return _build_stage3(config, mesh, model, tree)
     tx = make_optimizer(config, model.layout)
     specs = hj.state_specs(tx, tree, AXIS, axis_size=mesh.size)
 
@@ -206,6 +211,36 @@ def build_jax(config: TrainConfig, mesh: Mesh, params: dict[str, np.ndarray] | N
     plan = _Layout.of(tree, what="build_jax", **model.layout).plan
     tree = jax.tree_util.tree_map(lambda x: global_array(x, mesh, P()), tree)
     return JaxTraining(step, tree, init(tree), mesh, model, plan)
+
+
+def _build_stage3(config: TrainConfig, mesh: Mesh, model: JaxModel, tree) -> JaxTraining:
+    """Stage 3: the params are ``ParamShards`` cut by ``shard_params`` (its own plan for torch's
+    registration ``order``, at the config's cap where it sets one), the loss gathers them per
+    bucket and its gradient comes back as slices. The run's ``model`` names the shards
+    (unsharded) and has no layout: the saved plan is the shards' own."""
+    cut_with = dict(order=model.layout["order"])
+    if config.bucket_cap_bytes is not None:
+        cut_with.update(bucket_caps(config))
+    cut = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, AXIS, **cut_with), mesh=mesh, in_specs=P(),
+                                out_specs=P(AXIS)))
+    shards = cut(jax.tree_util.tree_map(lambda x: global_array(x, mesh, P()), tree))
+    tx = make_optimizer(config)
+    specs = hj.state_specs(tx, shards, AXIS, axis_size=mesh.size)
+    loss_of_shards = hj.gathered(model.loss)
+
+    def step(shards, state, x, y):
+        loss, grads = jax.value_and_grad(loss_of_shards)(shards, x, y)
+        updates, state = tx.update(grads, state, shards)
+        return optax.apply_updates(shards, updates), state, jax.lax.pmean(loss, AXIS)
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(AXIS), out_specs=specs))
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
+                                 out_specs=(P(AXIS), specs, P())), donate_argnums=(0, 1))
+    def named(shards):
+        return model.named(hj.unshard_params(shards))
+
+    return JaxTraining(step, shards, init(shards), mesh, model._replace(named=named, layout={}),
+                       shards.layout.layout.plan)
 
 
 def train_jax_steps(run: JaxTraining, config: TrainConfig, start_step: int, stop_step: int, *,

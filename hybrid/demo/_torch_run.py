@@ -1,4 +1,4 @@
-"""The twin models trained with hybrid's torch frontend: DDP + ZeroRedundancyOptimizer or ZeRO2.
+"""The twin models trained with hybrid's torch frontend: DDP + ZeroRedundancyOptimizer or ZeRO2, or ZeRO3.
 
 A run is: build the module and optimizer from numpy arrays (:func:`build_torch`) -> [load state]
 -> :func:`train_torch_steps` -> [save state] -> :class:`~hybrid.demo.TrainResult`.
@@ -8,6 +8,7 @@ A run is: build the module and optimizer from numpy arrays (:func:`build_torch`)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import socket
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, rank_rows
-from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
+from hybrid.torch import DistributedDataParallel, ZeRO2, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer
 
 Progress = Callable[[int, float], None]  # (step, global loss), called on rank 0 after each step
 
@@ -104,11 +105,16 @@ def pin_torch_numerics() -> None:
 def build_torch(config: TrainConfig, params: dict[str, np.ndarray] | None = None):
     """``(ddp, optimizer)`` for ``config`` in the current process group, from ``params`` (default
     :func:`initial_params` of the config). Stage 1 is DDP + ``ZeroRedundancyOptimizer``, stage 2
-    ``ZeRO2`` on the DDP; both wrap ``torch.optim.Adam`` / ``AdamW``. A checkpoint's optimizer
-    state goes in between this and :func:`train_torch_steps`."""
-    ddp = torch_ddp(config, initial_params(config) if params is None else params)
+    ``ZeRO2`` on the DDP, stage 3 ``ZeRO3`` (in place of the DDP) + ``ZeRO3Optimizer``; all wrap
+    ``torch.optim.Adam`` / ``AdamW``. A checkpoint's optimizer state goes in between this and
+    :func:`train_torch_steps`."""
+    params = initial_params(config) if params is None else params
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
     kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    if config.stage == 3:
+        model = ZeRO3(torch_module(config, params), bucket_cap_mb=_cap_mb(config))
+        return model, ZeRO3Optimizer(model, cls, **kwargs)
+    ddp = torch_ddp(config, params)
     if config.stage == 1:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), cls, **kwargs)
     else:
@@ -119,8 +125,12 @@ def build_torch(config: TrainConfig, params: dict[str, np.ndarray] | None = None
 def torch_ddp(config: TrainConfig, params: dict[str, np.ndarray]) -> DistributedDataParallel:
     """hybrid's DDP of the config's model holding ``params``, at the config's bucket caps (torch's
     defaults for ``bucket_cap_bytes=None``), in the current process group."""
-    cap_mb = None if config.bucket_cap_bytes is None else config.bucket_cap_bytes / (1 << 20)
-    return DistributedDataParallel(torch_module(config, params), bucket_cap_mb=cap_mb)
+    return DistributedDataParallel(torch_module(config, params), bucket_cap_mb=_cap_mb(config))
+
+
+def _cap_mb(config: TrainConfig) -> float | None:
+    """The config's cap as torch's ``bucket_cap_mb`` (``None``: the wrapper's default)."""
+    return None if config.bucket_cap_bytes is None else config.bucket_cap_bytes / (1 << 20)
 
 
 def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step: int, *,
@@ -133,8 +143,8 @@ def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step:
         opt.zero_grad()
         loss = _loss(config, ddp, x, y)
         loss.backward()
-        if config.clip_norm is not None and config.stage == 2:
-            opt.clip_grad_norm_(config.clip_norm)  # ZeRO2 holds gradient slices: one all-reduce of norms
+        if config.clip_norm is not None and config.stage >= 2:
+            opt.clip_grad_norm_(config.clip_norm)  # ZeRO2/3 hold gradient slices: one all-reduce of norms
         elif config.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.clip_norm)
         opt.step()
@@ -178,7 +188,10 @@ def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = N
         if save_to and hi == save_at:
             checkpoint.save(save_to, ddp, opt, step=save_at, metadata={"config": config.to_json()})
     seconds = time.perf_counter() - t0
-    final = {n: p.detach().numpy().copy() for n, p in ddp.module.named_parameters()}
+    # ZeRO3's parameters are whole only inside gathered(); cloned, as a numpy view of them would
+    # keep the whole gathered bucket alive after the block.
+    with ddp.gathered() if config.stage == 3 else contextlib.nullcontext():
+        final = {n: p.detach().clone().numpy() for n, p in ddp.module.named_parameters()}
     return TrainResult(np.concatenate(losses), final, ddp.bucket_plan.fingerprint(), seconds, start_step,
                        ddp.bucket_plan)
 

@@ -13,7 +13,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import hybrid.jax as hj
 from hybrid.checkpoint import Checkpoint
@@ -106,51 +105,17 @@ def test_resumes_in_stages_1_and_2(saved, stage, world_size):
         np.testing.assert_allclose(a, b, **SAME)
 
 
-def _demo_stage3(config, num_devices, save_to, save_at):
-    """The demo's twin MLP trained by JAX at stage 3 (its ``build_jax`` runs stages 1 and 2): the
-    global loss of every step and the final params, by torch name; a checkpoint after ``save_at``."""
-    from hybrid.demo import cross_entropy, global_batch, host_mesh, init_params, jax_params, param_order
-    from hybrid.demo._jax_run import bucket_caps, global_array, numpy_params, pin_jax_numerics
-
-    pin_jax_numerics()
-    mesh = host_mesh(num_devices)
-    caps = dict(order=param_order(config.sizes), **bucket_caps(config))
-    shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, "dp", **caps), mesh=mesh, in_specs=P(),
-                                   out_specs=P("dp")))(jax_params(init_params(config.seed, config.sizes)))
-    tx = hj.zero(optax.adam(config.lr, b1=config.betas[0], b2=config.betas[1], eps=config.eps), "dp", stage=3)
-    specs = hj.state_specs(tx, shards, "dp", axis_size=num_devices)
-    loss_of_shards = hj.gathered(cross_entropy)
-
-    def step(shards, state, x, y):
-        loss, g = jax.value_and_grad(loss_of_shards)(shards, x, y)
-        u, state = tx.update(g, state, shards)
-        return optax.apply_updates(shards, u), state, jax.lax.pmean(loss, "dp")
-
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))(shards)
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp"), P("dp")),
-                                 out_specs=(P("dp"), specs, P())))
-    losses = []
-    for i in range(config.num_steps):
-        x, y = global_batch(config.seed, i, config.sizes, config.global_batch_size)
-        shards, state, loss = step(shards, state, global_array(x, mesh, P("dp")),
-                                   global_array(y.astype(np.int32), mesh, P("dp")))
-        losses.append(float(loss))
-        if i + 1 == save_at:
-            ckpt_jax.save(save_to, shards, state, step=save_at, stage=3, optimizer="adam",
-                          hyperparameters=dict(lr=config.lr, betas=list(config.betas), eps=config.eps))
-    return np.asarray(losses), numpy_params(jax.tree.map(np.asarray, hj.unshard_params(shards)))
-
-
 def test_resumes_in_torch(tmp_path):
     # JAX stage 3 on 3 devices saves at step 6; torch (DDP + ZeRO2, 2 gloo ranks) resumes there
     # and follows JAX's uninterrupted run to step 12.
-    from hybrid.demo import TrainConfig, launch_torch
+    # (hybrid.demo's stage 3: the twin MLP over shard_params; test_zero3_crossing.py has the rest.)
+    from hybrid.demo import TrainConfig, launch_torch, train_jax
 
-    config = TrainConfig(global_batch_size=48, num_steps=12)
-    losses, params = _demo_stage3(config, 3, tmp_path / "jax3", 6)
+    jax_run = train_jax(TrainConfig(global_batch_size=48, num_steps=12, stage=3), num_devices=3,
+                        save_to=str(tmp_path / "jax3"), save_at=6)
     torch_run = launch_torch(TrainConfig(global_batch_size=48, num_steps=12, stage=2), world_size=2,
                              resume=str(tmp_path / "jax3"))
     assert torch_run.start_step == 6
-    np.testing.assert_allclose(torch_run.losses, losses[6:], rtol=1e-5, atol=1e-6)
-    for name, value in params.items():
+    np.testing.assert_allclose(torch_run.losses, jax_run.losses[6:], rtol=1e-5, atol=1e-6)
+    for name, value in jax_run.params.items():
         np.testing.assert_allclose(torch_run.params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)

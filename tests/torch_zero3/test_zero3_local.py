@@ -157,3 +157,25 @@ def test_a_backward_that_raises_leaves_the_model_usable(world_of_one):
     assert all(s == "free" for s in model._buckets.state)
     assert opt.grad_numel() == sum(model.shards.shard_sizes)
     opt.step()
+
+
+def test_numpy_views_inside_gathered(world_of_one):
+    """torch makes a storage non-resizable once numpy views it, and ZeRO3 frees a bucket by
+    resizing its storage: a parameter read with .numpy() inside gathered() keeps its values (the
+    array is the user's), and the bucket gathers into a new buffer, training on as before."""
+    torch.manual_seed(0)
+    plain = _mlp()
+    model = ZeRO3(copy.deepcopy(plain))
+    with model.gathered():
+        arrays = {n: p.detach().numpy() for n, p in model.module.named_parameters()}
+    assert all(s == "free" for s in model._buckets.state)
+    for name, p in plain.named_parameters():
+        assert (arrays[name] == p.detach().numpy()).all(), name
+    opt, plain_opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    for net, o in ((model, opt), (plain, plain_opt)):
+        net(torch.ones(2, 3)).sum().backward()
+        o.step()
+    with model.gathered():
+        for name, p in plain.named_parameters():
+            assert torch.equal(model.module.get_parameter(name), p), name
+    assert model._buckets.working.live == 0

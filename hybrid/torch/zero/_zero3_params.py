@@ -86,17 +86,25 @@ class ParamBuckets:
             start, stop = shards.shard_range(b, rank)
             self.slices.append(flat[start:stop].clone())
             flat.untyped_storage().resize_(0)  # now, not when the backend drops the broadcast
-            full = torch.empty(shards.padded_length(b), dtype=compute_dtype or first.dtype, device=first.device)
-            with torch.no_grad():
-                for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                    # Set through .data: the view gets a version counter of its own, so writing
-                    # the buffer (a gather) does not look like an in-place change to autograd.
-                    work = torch.nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device))
-                    work.data = full[o:o + n].view(params[m].shape)
-                    self.work[m] = work
-            full.untyped_storage().resize_(0)
+            full = torch.empty(0, dtype=compute_dtype or first.dtype, device=first.device)
+            for m in bucket.members:
+                self.work[m] = torch.nn.Parameter(full.new_empty(0))  # a view of the buffer, next
             self.full.append(full)
             self.state.append(FREE)
+            self._new_buffer(b)
+
+    def _new_buffer(self, b: int) -> None:
+        """Give bucket ``b`` a full buffer of no storage yet, its working parameters views into it."""
+        plan = self.shards.bucket_plan
+        bucket, old = plan.buckets[b], self.full[b]
+        full = torch.empty(self.shards.padded_length(b), dtype=old.dtype, device=old.device)
+        with torch.no_grad():
+            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                # Set through .data: the view gets a version counter of its own, so writing
+                # the buffer (a gather) does not look like an in-place change to autograd.
+                self.work[m].data = full[o:o + n].view(plan.specs[m].shape)
+        full.untyped_storage().resize_(0)
+        self.full[b] = full
 
     @property
     def num_buckets(self) -> int:
@@ -168,7 +176,14 @@ class ParamBuckets:
                 if not quiet:
                     raise
                 return  # wait() freed it
-        self.full[b].untyped_storage().resize_(0)
+        storage = self.full[b].untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+        else:
+            # Someone shares the gathered memory: torch makes a storage non-resizable once numpy
+            # views it (`.numpy()` of a parameter inside gathered(), say). It stays theirs; the
+            # bucket gathers into a new buffer from now on.
+            self._new_buffer(b)
         self.working.sub(self._nbytes(b))
         self.state[b] = FREE
 
