@@ -43,7 +43,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume-world-size", type=_int_from(1),
                    help="JAX devices that resume the torch checkpoint (default world size + 1)")
     p.add_argument("--save-at", type=_int_from(1), help="step after which torch saves (default steps / 2)")
-    p.add_argument("--stage", type=int, choices=(1, 2), default=1, help="ZeRO stage (default 1)")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=1,
+                   help="ZeRO stage (default 1; 3: torch ZeRO3 and JAX zero(stage=3) over shard_params)")
     p.add_argument("--optimizer", choices=("adam", "adamw"), default="adam")
     p.add_argument("--lr", type=_positive_float, help="learning rate (default 3e-3)")
     p.add_argument("--batch-size", type=_int_from(1),
@@ -128,7 +129,8 @@ def _progress(bar):
 def _run_torch(config, args, params, checkpoint: Path):
     from hybrid.demo import launch_torch
 
-    with _bar(f"torch  DDP + ZeRO-{args.stage}, {args.world_size} gloo ranks", config.num_steps) as bar:
+    what = "ZeRO3" if args.stage == 3 else f"DDP + ZeRO-{args.stage}"
+    with _bar(f"torch  {what}, {args.world_size} gloo ranks", config.num_steps) as bar:
         return launch_torch(config, world_size=args.world_size, params=params, progress=_progress(bar),
                             save_to=str(checkpoint), save_at=args.save_at)
 
@@ -172,7 +174,7 @@ def _demo(args, t0: float) -> int:
                        f"jax    resume torch's step-{args.save_at} checkpoint on {args.resume_world_size} devices",
                        resume=checkpoint, start=args.save_at)
     print()
-    same_plan = report.print_plans(torch_run, jax_run, args.world_size)
+    same_plan = report.print_plans(torch_run, jax_run, args.world_size, args.stage)
     print()
     report.print_losses(torch_run, jax_run, resumed, args.save_at)
     print()

@@ -30,8 +30,10 @@ def print_model(config, params: dict, args) -> None:
               f"width {g.n_embd}, {g.vocab_size} tokens; {count:,} parameters in {len(params)} tensors. Both start "
               f"from torch's init, crossed to flax's names and layouts by hybrid.models.GPT_MAPPING.")
         rows = f"a synthetic token stream, {args.batch_size} rows of {config.seq_len} tokens"
+    caps = ("ZeRO3's default plan (hybrid.core.zero3_plan: a cap of 1/16 of the parameters, within 1 and 25 MiB)"
+            if config.stage == 3 else "torch's defaults (1 MiB first bucket, then 25 MiB)")
     print(f"Data: {rows} per step (seed {config.seed}), split evenly over {args.world_size} ranks / devices. "
-          f"Bucket caps: torch's defaults (1 MiB first bucket, then 25 MiB) on both sides.\n")
+          f"Bucket caps: {caps} on both sides.\n")
 
 
 def _names(plan, bucket) -> str:
@@ -39,7 +41,7 @@ def _names(plan, bucket) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
 
 
-def print_plans(torch_run, jax_run, world_size: int) -> bool:
+def print_plans(torch_run, jax_run, world_size: int, stage: int = 1) -> bool:
     """Both frameworks' bucket plans, one table (they are equal) and the fingerprints; True if equal."""
     from hybrid.core import shard_flat
 
@@ -48,8 +50,12 @@ def print_plans(torch_run, jax_run, world_size: int) -> bool:
     rows = [[b, len(bucket.members), _names(plan, bucket), bucket.length, human_bytes(bucket.nbytes),
              " ".join(f"[{lo}:{hi})" for _, lo, hi in (shards.rank_shards(r)[b] for r in range(world_size)))]
             for b, bucket in enumerate(plan.buckets)]
-    print("Buckets: torch's DDP after its rebuild (gradient-ready order), and hybrid.jax.zero planned from the order "
-          "its own backward computes the gradients:")
+    if stage == 3:
+        print("Buckets: torch ZeRO3's (hybrid.core.zero3_plan over torch's registration order), and hybrid.jax."
+              "shard_params' over the same tensors by torch's names and order; each rank holds its flat shard:")
+    else:
+        print("Buckets: torch's DDP after its rebuild (gradient-ready order), and hybrid.jax.zero planned from the "
+              "order its own backward computes the gradients:")
     print(format_table(["bucket", "tensors", "tensors, in bucket order (torch's names)", "elements", "bytes",
                         f"flat shard of ranks 0..{world_size - 1}"], rows))
     same = torch_run.plan_fingerprint == jax_run.plan_fingerprint and torch_run.plan == jax_run.plan

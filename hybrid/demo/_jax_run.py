@@ -214,11 +214,12 @@ def build_jax(config: TrainConfig, mesh: Mesh, params: dict[str, np.ndarray] | N
 
 
 def _build_stage3(config: TrainConfig, mesh: Mesh, model: JaxModel, tree) -> JaxTraining:
-    """Stage 3: the params are ``ParamShards`` cut by ``shard_params`` (its own plan for torch's
-    registration ``order``, at the config's cap where it sets one), the loss gathers them per
-    bucket and its gradient comes back as slices. The run's ``model`` names the shards
-    (unsharded) and has no layout: the saved plan is the shards' own."""
-    cut_with = dict(order=model.layout["order"])
+    """Stage 3: the params are ``ParamShards`` cut by ``shard_params`` (torch ZeRO3's plan over
+    torch's registration ``order``, or the GPT's ``pairing`` to torch's names and layouts, at the
+    config's cap where it sets one), the loss gathers them per bucket and its gradient comes back
+    as slices. The run's ``model`` names the shards (unsharded) and has no layout: the saved plan
+    is the shards' own."""
+    cut_with = {k: model.layout[k] for k in ("order", "pairing") if model.layout.get(k) is not None}
     if config.bucket_cap_bytes is not None:
         cut_with.update(bucket_caps(config))
     cut = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, AXIS, **cut_with), mesh=mesh, in_specs=P(),

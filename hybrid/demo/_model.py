@@ -36,7 +36,7 @@ class TrainConfig:
       optimizer: ``"adam"`` or ``"adamw"`` (torch.optim / optax of that name).
       lr, weight_decay, betas, eps: the optimizer's hyper-parameters (``weight_decay`` for adamw).
       stage: ZeRO stage, 1 (torch ``ZeroRedundancyOptimizer``), 2 (torch ``ZeRO2``) or 3 (torch
-        ``ZeRO3`` + ``ZeRO3Optimizer``; JAX ``zero(..., stage=3)`` over ``shard_params``: the MLP only).
+        ``ZeRO3`` + ``ZeRO3Optimizer``; JAX ``zero(..., stage=3)`` over ``shard_params``).
       clip_norm: clip the reduced gradients to this global norm (``None``: no clipping).
       bucket_cap_bytes: ``None`` for torch's default caps (a 1 MiB first bucket, then 25 MiB), or
         DDP's ``bucket_cap_mb`` in bytes, which torch then takes as the first bucket's cap too; the
@@ -74,9 +74,6 @@ class TrainConfig:
             raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
-        if self.stage == 3 and self.gpt is not None:
-            raise ValueError("stage=3 trains the MLP only: the GPT pair's JAX side is planned through its torch "
-                             "pairing, which hybrid.jax.shard_params does not take")
         if self.weight_decay and self.optimizer == "adam":
             raise ValueError(f"weight_decay={self.weight_decay!r} needs optimizer='adamw' (Adam's L2 "
                              f"penalty and optax.adam's lack of one differ)")

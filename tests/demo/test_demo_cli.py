@@ -57,6 +57,17 @@ def test_the_mlp_stays_an_option(tmp_path):
     assert (tmp_path / "out" / "loss_curves.png").exists()
 
 
+def test_stage_3_trains_the_gpt_pair_on_one_plan(tmp_path):
+    # torch ZeRO3 and hybrid.jax's stage 3 over shard_params, through the GPT's pairing: one plan
+    proc = _demo("--stage", "3", "--steps", "4", "--save-at", "2", "--out", "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "Bucket caps: ZeRO3's default plan" in out and "torch ZeRO3's (hybrid.core.zero3_plan" in out
+    assert "Tensors per bucket: 16 + 12." in out and "(equal)" in out
+    assert float(out.split("max |torch - jax| of the loss ")[1].split()[0]) < 1e-5
+    assert "resumed torch's step-2 checkpoint" in out and "ZeRO3, 2 gloo ranks" in proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--steps", "1"], "argument --steps: must be an integer >= 2, got '1'"),
     (["--steps", "ten"], "argument --steps: must be an integer >= 2, got 'ten'"),
@@ -70,7 +81,7 @@ def test_the_mlp_stays_an_option(tmp_path):
     (["--lr", "0"], "argument --lr: must be a finite number > 0, got '0'"),
     (["--lr=-1e-3"], "argument --lr: must be a finite number > 0, got '-1e-3'"),
     (["--lr", "fast"], "argument --lr: must be a finite number > 0, got 'fast'"),
-    (["--stage", "3"], "argument --stage: invalid choice: 3"),
+    (["--stage", "4"], "argument --stage: invalid choice: 4"),
     (["--model", "cnn"], "argument --model: invalid choice: 'cnn'"),
     (["--world-size", "5"], "--world-size 5 must divide --batch-size 12"),
     (["--resume-world-size", "5"], "--resume-world-size 5 must divide --batch-size 12"),
