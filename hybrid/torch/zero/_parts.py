@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,3 +134,35 @@ def resolve_groups(param_groups, names: list[str], index_of: dict[int, int], who
     if missing:
         raise ValueError(f"parameters in no group: {missing} ({who} shards every parameter of the module)")
     return group_of, order, options
+
+
+def run_closure(closure) -> Any:
+    """``closure()`` with gradients enabled (an optimizer's ``step`` runs under ``no_grad``), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+@contextlib.contextmanager
+def grads_on_masters(segments, masters: list[torch.Tensor], grads) -> Iterator[None]:
+    """For one inner optimizer step: each master segment's ``.grad`` is its slice of its bucket's
+    gradient (``grads[bucket]``; None where a bucket has none), and None again afterwards, also
+    when the step raised, so no view into a gradient bucket outlives the step.
+
+    >>> w = torch.zeros(2)  # the master of elements 1..2 of bucket 0
+    >>> class Seg: bucket, lo, hi = 0, 1, 3
+    >>> with grads_on_masters([Seg], [w], [torch.arange(4.0)]):
+    ...     w.grad.tolist()
+    [1.0, 2.0]
+    >>> w.grad is None
+    True
+    """
+    for seg, master in zip(segments, masters):
+        g = grads[seg.bucket] if grads else None
+        master.grad = None if g is None else g[seg.lo:seg.hi]
+    try:
+        yield
+    finally:
+        for master in masters:
+            master.grad = None

@@ -27,7 +27,7 @@ from hybrid.torch.zero._zero2_grads import GradientInShards, clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState, _take
 from hybrid.torch._collectives import all_gather_into, reduce_scatter_into, wait_all
 from hybrid.torch._teardown import collect_cycles_at_exit
-from hybrid.torch.zero._parts import _refuse_sparse, resolve_groups
+from hybrid.torch.zero._parts import _refuse_sparse, grads_on_masters, resolve_groups, run_closure
 
 __all__ = ["ZeRO2"]
 
@@ -319,23 +319,16 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Update this rank's slices with the inner optimizer, then all-gather the parameters."""
         Join.notify_join_context(self)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if self._grad_plan is not None and self._grad_plan != self._plan:
             self._relayout(self._grad_plan)
-        for seg, master in zip(self._segments, self._masters):
-            g = self._grads[seg.bucket] if self._grads else None
-            master.grad = None if g is None else g[seg.lo:seg.hi]
         try:
-            self.optim.step(**kwargs)
+            with grads_on_masters(self._segments, self._masters, self._grads):
+                self.optim.step(**kwargs)
         finally:
             # Also when the local step raised (on this rank only, say): every rank still sends
             # its slices (this rank's unchanged, if the optimizer raised before changing them),
             # so the other ranks' gathers pair up and the next step works.
-            for master in self._masters:
-                master.grad = None
             self._all_gather_params()
         return loss
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from hybrid.torch.zero._parts import resolve_groups
+from hybrid.torch.zero._parts import grads_on_masters, resolve_groups, run_closure
 from hybrid.torch.zero._zero2_grads import clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState
 from hybrid.torch.zero._zero3 import ZeRO3
@@ -123,19 +123,9 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Update this rank's slices with the inner optimizer (no communication)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grads = self.module._grads.slices
-        for seg, master in zip(self._segments, self._masters):
-            g = grads[seg.bucket]
-            master.grad = None if g is None else g[seg.lo:seg.hi]
-        try:
+        loss = run_closure(closure)
+        with grads_on_masters(self._segments, self._masters, self.module._grads.slices):
             self.optim.step(**kwargs)
-        finally:
-            for master in self._masters:
-                master.grad = None
         slices = self.module._buckets.slices
         for seg, master in zip(self._segments, self._masters):
             mine = slices[seg.bucket][seg.lo:seg.hi]
