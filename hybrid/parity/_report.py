@@ -14,6 +14,7 @@ pair's loss by ~1e-4 at the first step.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 
 import numpy as np
@@ -40,18 +41,54 @@ class SideRun:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tolerance:
     """Per-step loss and per-element parameter tolerances, ``|a - b| <= atol + rtol * |reference|``
-    (``numpy.isclose``'s rule); the defaults and why: the module docstring."""
+    (``numpy.isclose``'s rule); the defaults and why: the module docstring.
+
+    ``per_tensor`` holds some parameters to a pair of their own: ``{pattern: (rtol, atol)}``, a
+    pattern being a torch name or an ``fnmatch`` pattern over torch's names; the first that
+    matches wins. For a tensor whose exact gradient is zero, say, which each framework moves by its
+    own rounding noise (docs/parity.md, "Reading a report").
+
+    >>> t = Tolerance(per_tensor={"h.*.attn.c_attn.bias": (1e-3, 1e-4)})
+    >>> t.param_tolerance("h.0.attn.c_attn.bias"), t.param_tolerance("h.0.attn.c_attn.weight")
+    ((0.001, 0.0001), (0.0001, 1e-05))
+    """
 
     loss_rtol: float = 1e-5
     loss_atol: float = 1e-6
     param_rtol: float = 1e-4
     param_atol: float = 1e-5
+    per_tensor: tuple = ()  # ((pattern, rtol, atol), ...); a dict {pattern: (rtol, atol)} is accepted
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
-                raise ValueError(f"Tolerance.{f.name} must be a finite number >= 0, got {v!r}")
+        for name in ("loss_rtol", "loss_atol", "param_rtol", "param_atol"):
+            _check_tolerance(f"Tolerance.{name}", getattr(self, name))
+        items = self.per_tensor.items() if isinstance(self.per_tensor, dict) else (
+            (entry[0], tuple(entry[1:])) for entry in self.per_tensor)
+        rows = []
+        for pattern, pair in items:
+            if not isinstance(pattern, str) or not pattern or len(pair) != 2:
+                raise ValueError(f"Tolerance.per_tensor wants {{name or pattern: (rtol, atol)}}, got "
+                                 f"{pattern!r}: {pair!r}")
+            rows.append((pattern, *(_check_tolerance(f"Tolerance.per_tensor[{pattern!r}]", v) for v in pair)))
+        object.__setattr__(self, "per_tensor", tuple(rows))
+
+    def param_tolerance(self, name: str) -> tuple[float, float]:
+        """``(rtol, atol)`` that parameter ``name`` (torch's name) is held to."""
+        for pattern, rtol, atol in self.per_tensor:
+            if fnmatch.fnmatchcase(name, pattern):
+                return rtol, atol
+        return self.param_rtol, self.param_atol
+
+    def unmatched(self, names) -> list[str]:
+        """The ``per_tensor`` patterns that match none of ``names``: a typo would hold nothing."""
+        names = list(names)
+        return [p for p, _, _ in self.per_tensor if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+
+
+def _check_tolerance(what: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+        raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
+    return float(v)
 
 
 def _ratio(a: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> np.ndarray:
@@ -145,9 +182,10 @@ class ParityReport:
         worst = self.worst_param
         if worst is not None:
             breaks = self.param_breaks
+            own = f" ({len(t.per_tensor)} pattern(s) with their own)" if t.per_tensor else ""
             head = (f"  params: {len(breaks)} of {len(self.params)} tensors break rtol {t.param_rtol:g} / atol "
-                    f"{t.param_atol:g}, first (torch's order) {breaks[0]!r}; " if breaks else
-                    f"  params: all {len(self.params)} tensors within rtol {t.param_rtol:g} / atol {t.param_atol:g}; ")
+                    f"{t.param_atol:g}{own}, first (torch's order) {breaks[0]!r}; " if breaks else
+                    f"  params: all {len(self.params)} tensors within rtol {t.param_rtol:g} / atol {t.param_atol:g}{own}; ")
             lines.append(head + f"worst {worst[0]!r}: {worst[2]:.3g}x the allowed at index {list(worst[3])}, "
                                 f"max |diff| {worst[1]:.2e}")
         same = "equal" if self.plans_match else "DIFFERENT"
@@ -218,6 +256,10 @@ def compare(reference: SideRun, other: SideRun, *, tolerance: Tolerance = Tolera
         raise ValueError(f"the runs hold different tensors: only in {reference.label} "
                          f"{sorted(set(reference.params) - set(other.params))}, only in {other.label} "
                          f"{sorted(set(other.params) - set(reference.params))}")
+    unmatched = tolerance.unmatched(reference.params)
+    if unmatched:
+        raise ValueError(f"Tolerance.per_tensor patterns {unmatched} match no tensor of the runs "
+                         f"(torch's names, e.g. {list(reference.params)[:3]})")
     rows = []
     for name, ref in reference.params.items():
         got = other.params[name]
@@ -225,7 +267,7 @@ def compare(reference: SideRun, other: SideRun, *, tolerance: Tolerance = Tolera
             raise ValueError(f"tensor {name!r}: {reference.label} holds shape {np.shape(ref)}, "
                              f"{other.label} {np.shape(got)}")
         diff = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
-        ratio = _ratio(got, ref, tolerance.param_rtol, tolerance.param_atol)
+        ratio = _ratio(got, ref, *tolerance.param_tolerance(name))
         worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
         rows.append((name, float(diff.max(initial=0.0)), float(ratio.max(initial=0.0)), tuple(int(i) for i in worst)))
     cut = lambda run: tuple(float(x) for x in run.losses[start - run.start_step:stop - run.start_step])

@@ -56,6 +56,24 @@ def test_gpt_pair_trains_alike_in_both_frameworks(gpt_setup, torch_gpt):
     print(f"\n{report.summary()}\n  seconds (loops): torch {report.seconds[0]:.2f}, jax {report.seconds[1]:.2f}")
 
 
+def test_at_adams_default_eps_only_the_key_bias_needs_its_own_tolerance():
+    """At eps 1e-8 (torch's and optax's default) the key biases drift apart (module docstring):
+    the run's tolerance breaks on them alone, and a per-tensor tolerance for them passes the rest
+    at the run's pair."""
+    setup = hp.prepare(_pairs.torch_gpt, _pairs.flax_gpt, _pairs.gpt_data, steps=20, mapping=GPT_MAPPING,
+                       optimizer=hp.OptimizerSpec("adamw", lr=3e-3, weight_decay=0.1, eps=1e-8))
+    torch_run = hp.train_torch(setup, world_size=2, stage=1, timeout_s=150)
+    jax_run = hp.train_jax(setup, num_devices=2, stage=1)
+    strict = hp.compare(torch_run, jax_run)
+    assert strict.first_loss_break is None
+    # on this project's machines both key biases break (2.6x and 1.6x); rounding elsewhere may differ
+    assert set(strict.param_breaks) <= {"h.0.attn.c_attn.bias", "h.1.attn.c_attn.bias"}
+    per_tensor = hp.compare(torch_run, jax_run,
+                            tolerance=hp.Tolerance(per_tensor={"h.*.attn.c_attn.bias": (1e-4, 1e-4)}))
+    hp.assert_parity(per_tensor)
+    print(f"\n{strict.summary()}\n{per_tensor.summary()}")
+
+
 def test_torch_checkpoint_resumes_in_flax_on_3_devices(gpt_setup, torch_gpt):
     """torch saved after step 5 on 2 ranks (ZeRO-1 Adam moments by torch's names); the flax model
     loads it through the mapping into hybrid.jax.zero on 3 devices and trains steps 5..11."""
