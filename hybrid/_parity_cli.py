@@ -34,6 +34,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.0, help="sgd's momentum")
     p.add_argument("--eps", type=float, default=1e-8, help="adam's eps (default 1e-8)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the torch factory (default 0)")
+    p.add_argument("--tolerance", metavar="LOSS_RTOL,LOSS_ATOL,PARAM_RTOL,PARAM_ATOL",
+                   help="the run's tolerances (default 1e-5,1e-6,1e-4,1e-5)")
+    p.add_argument("--param-tolerance", metavar="PATTERN=RTOL,ATOL", action="append", default=[],
+                   help="hold the parameters whose torch name matches PATTERN (fnmatch) to their own pair; "
+                        "repeatable, the first match wins")
     p.add_argument("--plot", metavar="FILE.png", help="save the loss curves and their difference")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
@@ -52,6 +57,35 @@ def _problem(args) -> str | None:
         if not math.isfinite(getattr(args, name)):
             return f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}"
     return None
+
+
+def tolerance_of(args):
+    """The :class:`~hybrid.parity.Tolerance` of ``--tolerance`` and ``--param-tolerance``; a
+    ValueError naming the option for a malformed one.
+
+    >>> import argparse
+    >>> tolerance_of(argparse.Namespace(tolerance="1e-5,1e-6,1e-3,1e-4", param_tolerance=["h.*.bias=0,1e-3"]))
+    Tolerance(loss_rtol=1e-05, loss_atol=1e-06, param_rtol=0.001, param_atol=0.0001, per_tensor=(('h.*.bias', 0.0, 0.001),))
+    """
+    from hybrid.parity._report import Tolerance
+
+    def numbers(text: str, n: int, option: str) -> list[float]:
+        try:
+            values = [float(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != n:
+            raise ValueError(f"{option} wants {n} comma-separated numbers, got {text!r}")
+        return values
+
+    base = numbers(args.tolerance, 4, "--tolerance") if args.tolerance else []
+    per_tensor = []
+    for item in args.param_tolerance:
+        pattern, sep, pair = item.partition("=")
+        if not sep or not pattern:
+            raise ValueError(f"--param-tolerance wants PATTERN=RTOL,ATOL, got {item!r}")
+        per_tensor.append((pattern, *numbers(pair, 2, f"--param-tolerance {pattern}")))
+    return Tolerance(*base, per_tensor=tuple(per_tensor))
 
 
 def _host_devices(n: int) -> None:
@@ -75,6 +109,7 @@ def run(args) -> int:
     try:
         optimizer = OptimizerSpec(args.optimizer, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
                                   momentum=args.momentum)
+        tolerance = tolerance_of(args)
         mapping = None
         if args.mapping:
             found = load_reference(args.mapping, "--mapping")
@@ -93,9 +128,14 @@ def run(args) -> int:
     try:
         report = run_parity(args.torch, args.jax, data, steps=args.steps, optimizer=optimizer,
                             world_size=args.world_size, num_devices=args.devices, stage=args.stage, mapping=mapping,
-                            seed=args.seed)
+                            seed=args.seed, tolerance=tolerance)
     except MappingError as e:  # the pair's names or shapes; errors of the user's own code raise with their traceback
         print(f"hybrid parity: the mapping cannot pair the two models: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        if "Tolerance.per_tensor" not in str(e):
+            raise
+        print(f"hybrid parity: --param-tolerance: {e}", file=sys.stderr)  # checked before anything trained
         return 2
     print(json.dumps(report.to_json()) if args.json else report.summary())
     if args.plot:

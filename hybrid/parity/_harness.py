@@ -131,6 +131,16 @@ def train_jax(setup: ParitySetup, *, num_devices: int = 2, stage: int = 1, resum
                save_to=save_to, progress=progress)
 
 
+def _check_tolerance(tolerance: Tolerance, setup: ParitySetup) -> None:
+    """Before anything trains: a per-tensor pattern that matches none of the pair's tensors is a typo."""
+    if not isinstance(tolerance, Tolerance):
+        raise TypeError(f"tolerance must be a hybrid.parity.Tolerance, got {type(tolerance).__name__}")
+    unmatched = tolerance.unmatched(setup.pairing.torch_names)
+    if unmatched:
+        raise ValueError(f"Tolerance.per_tensor patterns {unmatched} match no tensor of the pair (torch's names, "
+                         f"e.g. {list(setup.pairing.torch_names)[:3]})")
+
+
 def run(torch_pair, jax_pair, data, *, steps: int = 10, optimizer: OptimizerSpec = OptimizerSpec(),
         world_size: int = 2, num_devices: int = 2, stage: int = 1, mapping=None, seed: int = 0,
         tolerance: Tolerance = Tolerance(), timeout_s: float = 300) -> ParityReport:
@@ -142,6 +152,7 @@ def run(torch_pair, jax_pair, data, *, steps: int = 10, optimizer: OptimizerSpec
     See docs/parity.md for a whole example.
     """
     setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
+    _check_tolerance(tolerance, setup)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         torch_side = pool.submit(train_torch, setup, world_size=world_size, stage=stage, timeout_s=timeout_s)
         jax_side = train_jax(setup, num_devices=num_devices, stage=stage)
@@ -167,6 +178,7 @@ def handover(torch_pair, jax_pair, data, *, at: int, to: str = "jax", steps: int
     if not optimizer.stateful:
         raise ValueError("sgd without momentum keeps no optimizer state to hand over: give momentum, or use adam")
     setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
+    _check_tolerance(tolerance, setup)
     with tempfile.TemporaryDirectory(prefix="hybrid-parity-") as tmp:
         where = Path(path) if path is not None else Path(tmp) / "checkpoint"
         torch_kw = dict(world_size=world_size, stage=stage, timeout_s=timeout_s)

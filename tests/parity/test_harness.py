@@ -249,10 +249,11 @@ def test_cli_on_a_users_pair(tmp_path):
     here = "tests.parity.test_harness"
     proc = _cli("--torch", f"{here}:tiny_torch", "--jax", f"{here}:tiny_flax", "--data", f"{here}:tiny_data",
                 "--steps", "4", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--stage", "0",
-                "--plot", str(tmp_path / "p.png"), "--json")
+                "--param-tolerance", "out.*=1e-3,1e-4", "--plot", str(tmp_path / "p.png"), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = hp.ParityReport.from_json(proc.stdout)
     assert report.ok and report.plans_match and len(report.losses[0]) == 4
+    assert report.tolerance.per_tensor == (("out.*", 1e-3, 1e-4),)
     assert [name for name, *_ in report.params] == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -266,6 +267,12 @@ def test_cli_on_a_users_pair(tmp_path):
     (["--mapping", "tests.parity._pairs:VOCAB"], "must name a hybrid.core.ParamMapping (or a function returning one), got int"),
     (["--torch", "tests.parity.test_harness:nothing"], "--torch 'tests.parity.test_harness:nothing': "
                                                         "'tests.parity.test_harness' has no 'nothing'"),
+    (["--tolerance", "1e-5,1e-6"], "--tolerance wants 4 comma-separated numbers, got '1e-5,1e-6'"),
+    (["--tolerance", "1e-5,1e-6,-1,0"], "Tolerance.param_rtol must be a finite number >= 0, got -1.0"),
+    (["--param-tolerance", "out.bias"], "--param-tolerance wants PATTERN=RTOL,ATOL, got 'out.bias'"),
+    (["--param-tolerance", "out.bias=1e-3"], "--param-tolerance out.bias wants 2 comma-separated numbers"),
+    # a typo is found before anything trains, against torch's names
+    (["--param-tolerance", "out.bais=1e-3,1e-4"], "patterns ['out.bais'] match no tensor of the pair"),
 ])
 def test_cli_refuses_bad_options_by_name(args, message):
     here = "tests.parity.test_harness"
