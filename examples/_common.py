@@ -12,7 +12,8 @@ def parse(description: str, extra=None) -> tuple[TrainConfig, argparse.Namespace
     p = argparse.ArgumentParser(description=description)
     d = TrainConfig()
     p.add_argument("--steps", type=int, default=d.num_steps)
-    p.add_argument("--stage", type=int, choices=(1, 2), default=d.stage, help="ZeRO stage")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=d.stage,
+                   help="ZeRO stage (3: torch ZeRO3 + ZeRO3Optimizer, JAX zero(stage=3) over shard_params)")
     p.add_argument("--optimizer", choices=("adam", "adamw"), default=d.optimizer)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="adamw only")

@@ -126,7 +126,8 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
 
     Under ``jax.distributed`` (several processes) this is a collective, as orbax's save is: every
     process calls it with the same arguments; each writes the files of the zero slices its devices
-    hold (of an unsharded state: files ``p, p + P, ...``), process 0 writes the manifest once all
+    hold (at stage 3 with the ParamShards' slices, so no process gathers the parameters; of an
+    unsharded state: files ``p, p + P, ...``), process 0 writes the manifest once all
     files are in place, and every process returns the manifest. ``path`` must be on a file system
     all processes share. A process that fails makes the others raise with its error; one that dies
     or stalls is named in a RuntimeError once ``timeout_s`` has passed, and the previous checkpoint
@@ -173,7 +174,10 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
                     stage=stage, optimizer=optimizer, hyperparameters=hyperparameters, metadata=metadata,
                     buffers=buffers, state=state, timeout_s=timeout_s, **caps)
     layout = _layout(params, order, caps, ready_order, pairing)
-    host_params = [to_storage(p) for p in _host_params(params, layout)]
+    # Stage 3 under jax.distributed: no process holds the parameters whole; each writes its
+    # devices' slices of them, as of the optimizer state.
+    sliced_params = isinstance(params, ParamShards) and jax.process_count() > 1
+    host_params = None if sliced_params else [to_storage(p) for p in _host_params(params, layout)]
     extras = dict(metadata=metadata, buffers=_named_buffers(buffers),
                   run_state={"state": check_json(dict(state), "state")} if state is not None else {})
     info, slots, zero = None, {}, None
@@ -186,6 +190,9 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
         slots = {s: getattr(node, s) for s in kinds}
     common = dict(plan=layout.plan, step=step, stage=stage, optimizer=info, **extras)
     if zero is None:
+        if sliced_params:
+            raise CheckpointError("save: ZeRO stage 3's ParamShards across processes are saved with their "
+                                  "hybrid.jax.zero(..., stage=3) state (opt_state), whose slices lie as theirs do")
         # Unsharded: whole arrays (replicated), cut into world_size files.
         arrays = {"params": host_params,
                   **{s: [to_storage(_host(a)) for a in layout.spec_arrays(v)] for s, v in slots.items()}}
@@ -200,9 +207,12 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
         raise ValueError(f"save: world_size={world_size}, but the zero state is sharded over {n} devices")
     _check_zero(zero, layout, n)
     if jax.process_count() > 1:  # each process writes the files of the devices it holds
-        flats = _local_slices(slots, n)
-        return save_from_processes(path, world_size=n, ranks=sorted(flats), flat_kinds=info.slots, flats=flats,
-                                   arrays={"params": host_params}, timeout_s=timeout_s, **common)
+        kinds, arrays = dict(slots), {"params": host_params}
+        if sliced_params:  # the same plan cut over the same devices: files as one process writes them
+            kinds, arrays = {**kinds, "params": params.buckets}, {}
+        flats = _local_slices(kinds, n)
+        return save_from_processes(path, world_size=n, ranks=sorted(flats), flat_kinds=tuple(kinds), flats=flats,
+                                   arrays=arrays, timeout_s=timeout_s, **common)
     flats = {s: [to_storage(_host(a)) for a in v] for s, v in slots.items()}
     return save_sharded(path, world_size=n, flats=flats, arrays={"params": host_params}, framework="jax", **common)
 

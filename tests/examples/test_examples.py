@@ -139,3 +139,23 @@ def test_jax_example_resumes_at_another_process_count(jax_example, tmp_path):
     param_diff = max(np.max(np.abs(resumed_params[k] - params[k])) for k in params)
     print(f"JAX 2 -> 3 processes, resumed at step {SAVE_AT} of {STEPS} vs the 2-process run uninterrupted: "
           f"losses differ by at most {loss_diff:.3g}, final parameters by {param_diff:.3g}")
+
+
+def test_jax_example_at_stage_3_saves_across_processes_and_resumes(tmp_path):
+    """ZeRO stage 3 under jax.distributed: no process holds the parameters whole, so each writes its
+    devices' slices of them (as of Adam's moments). The 2-process run equals the 2-device mesh of
+    one process bit for bit; 3 processes resume its step-10 checkpoint within the resume tolerance
+    above (3 devices, another sharding of the same plan)."""
+    outs = _jax_job(2, "--stage", 3, "--out", tmp_path / "run.npz", "--save", tmp_path / "ckpt", "--save-at", SAVE_AT)
+    _printed_losses(outs[0])
+    losses, params = _saved(tmp_path / "run.npz")
+    _assert_same((losses, params), train_jax(TrainConfig(num_steps=STEPS, global_batch_size=BATCH, stage=3),
+                                             num_devices=2), "stage 3: 2 processes vs 2 devices")
+    manifest = Checkpoint(tmp_path / "ckpt").manifest
+    assert (manifest.framework, manifest.stage, manifest.world_size, manifest.step) == ("jax", 3, 2, SAVE_AT)
+    outs = _jax_job(3, "--stage", 3, "--resume", tmp_path / "ckpt", "--out", tmp_path / "resumed.npz")
+    _printed_losses(outs[0], start=SAVE_AT, ranks=3)
+    resumed_losses, resumed_params = _saved(tmp_path / "resumed.npz")
+    np.testing.assert_allclose(resumed_losses, losses[SAVE_AT:], rtol=1e-6, atol=1e-7)
+    for name in params:
+        np.testing.assert_allclose(resumed_params[name], params[name], rtol=1e-6, atol=1e-7, err_msg=name)
