@@ -124,6 +124,7 @@ def run(args) -> int:
         print(f"hybrid parity: {e}", file=sys.stderr)
         return 2
     from hybrid.parity import run as run_parity  # torch and JAX: imported once the input is known good
+    from hybrid.parity._report import ToleranceError
 
     try:
         report = run_parity(args.torch, args.jax, data, steps=args.steps, optimizer=optimizer,
@@ -132,10 +133,8 @@ def run(args) -> int:
     except MappingError as e:  # the pair's names or shapes; errors of the user's own code raise with their traceback
         print(f"hybrid parity: the mapping cannot pair the two models: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
-        if "Tolerance.per_tensor" not in str(e):
-            raise
-        print(f"hybrid parity: --param-tolerance: {e}", file=sys.stderr)  # checked before anything trained
+    except ToleranceError as e:  # checked before anything trained
+        print(f"hybrid parity: --param-tolerance: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_json()) if args.json else report.summary())
     if args.plot:

@@ -193,12 +193,16 @@ def compile_report(args, specs, size_limits) -> dict:
             "buckets": [[specs[m].name for m in b.members] for b in buckets.buckets]}
 
 
-def build_report(label: str, specs, args, plan=None) -> dict:
-    """The report of ``specs`` at the command line's caps (``plan``: one planned already, e.g. in a
-    gradient-ready order)."""
+def check_caps(args) -> None:
     for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
         if getattr(args, name) < 0:
             raise SystemExit(f"hybrid plan: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+
+
+def build_report(label: str, specs, args, plan=None) -> dict:
+    """The report of ``specs`` at the command line's caps (``plan``: one planned already, e.g. in a
+    gradient-ready order)."""
+    check_caps(args)
     if args.world_size < 1:
         raise SystemExit(f"hybrid plan: --world-size must be >= 1, got {args.world_size}")
     if args.prefetch < 0:
@@ -326,9 +330,7 @@ def print_compile(view: dict) -> None:
 def run(args) -> int:
     _plan_pair.check_arguments(args)
     if args.jax is not None:
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):  # checked before the JAX half is traced
-            if getattr(args, name) < 0:
-                raise SystemExit(f"hybrid plan: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+        check_caps(args)  # before the JAX half is traced
         label, plan, pairing = _plan_pair.pair_plan(args)
         specs = plan.specs
         report = build_report(label, specs, args, plan=plan)

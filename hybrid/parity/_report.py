@@ -79,10 +79,18 @@ class Tolerance:
                 return rtol, atol
         return self.param_rtol, self.param_atol
 
-    def unmatched(self, names) -> list[str]:
-        """The ``per_tensor`` patterns that match none of ``names``: a typo would hold nothing."""
+    def check_names(self, names) -> None:
+        """A :class:`ToleranceError` if a ``per_tensor`` pattern matches none of ``names`` (torch's
+        names): a typo would hold nothing."""
         names = list(names)
-        return [p for p, _, _ in self.per_tensor if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        unmatched = [p for p, _, _ in self.per_tensor if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if unmatched:
+            raise ToleranceError(f"Tolerance.per_tensor patterns {unmatched} match no tensor of the pair "
+                                 f"(torch's names, e.g. {names[:3]})")
+
+
+class ToleranceError(ValueError):
+    """A tolerance that does not fit the pair it is to judge."""
 
 
 def _check_tolerance(what: str, v) -> float:
@@ -256,10 +264,7 @@ def compare(reference: SideRun, other: SideRun, *, tolerance: Tolerance = Tolera
         raise ValueError(f"the runs hold different tensors: only in {reference.label} "
                          f"{sorted(set(reference.params) - set(other.params))}, only in {other.label} "
                          f"{sorted(set(other.params) - set(reference.params))}")
-    unmatched = tolerance.unmatched(reference.params)
-    if unmatched:
-        raise ValueError(f"Tolerance.per_tensor patterns {unmatched} match no tensor of the runs "
-                         f"(torch's names, e.g. {list(reference.params)[:3]})")
+    tolerance.check_names(reference.params)
     rows = []
     for name, ref in reference.params.items():
         got = other.params[name]

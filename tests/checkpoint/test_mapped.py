@@ -138,16 +138,22 @@ def test_a_zero_state_crosses_through_the_mapping(tmp_path):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def _torch_saved_and_flax_plan(path):
+    """torch's run saved at ``path`` (2 ranks, step 2), and what a flax zero state planned as its DDP
+    needs: zero flax params, their pairing with the torch model, the JAX backward's ready order."""
+    model, opt = _torch_run()
+    ckpt_torch.save(path, model, opt, step=2, world_size=2)
+    params = _flax_zeros()
+    idx = jnp.zeros((2, 8), jnp.int32)
+    ready = hj.gradient_ready_order(lambda p: flax_loss(FlaxGPT(CONFIG), p, idx, idx), params)
+    return model, opt, params, pair_models(model, params, GPT_MAPPING), ready
+
+
 def test_a_zero_state_planned_as_torchs_ddp_crosses_at_other_device_counts(tmp_path):
     """``zero(..., ready_order=, pairing=)`` (torch's rebuilt plan at torch's default caps, its
     buckets over torch's names and layouts): loaded from torch's checkpoint on 3 devices, saved from
     there, loaded on 2 devices and by torch; every crossing bit for bit."""
-    model, opt = _torch_run()
-    ckpt_torch.save(tmp_path / "t", model, opt, step=2, world_size=2)
-    params = _flax_zeros()
-    pairing = pair_models(model, params, GPT_MAPPING)
-    idx = jnp.zeros((2, 8), jnp.int32)
-    ready = hj.gradient_ready_order(lambda p: flax_loss(FlaxGPT(CONFIG), p, idx, idx), params)
+    model, opt, params, pairing, ready = _torch_saved_and_flax_plan(tmp_path / "t")
 
     def zero_state(n):
         tx = hj.zero(optax.adam(1e-2), "dp", ready_order=ready, pairing=pairing)
@@ -200,12 +206,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensors(tmp_path):
 def test_a_zero_state_planned_over_torchs_names_takes_torchs_checkpoint_as_it_is(tmp_path):
     """zero(ready_order=, pairing=) plans as torch's DDP does, over torch's names and layouts: its
     state needs no mapping; save and load take the arguments zero took and cross bit for bit."""
-    model, opt = _torch_run()
-    ckpt_torch.save(tmp_path / "t", model, opt, step=2, world_size=2)
-    params = _flax_zeros()
-    pairing = pair_models(model, params, GPT_MAPPING)
-    idx = jnp.zeros((2, 8), jnp.int32)
-    ready = hj.gradient_ready_order(lambda p: flax_loss(FlaxGPT(CONFIG), p, idx, idx), params)
+    model, opt, params, pairing, ready = _torch_saved_and_flax_plan(tmp_path / "t")
     plan = dict(ready_order=ready, pairing=pairing, bucket_cap_bytes=4096, first_bucket_cap_bytes=4096)  # several buckets
     params, zero, step = ckpt_jax.load(tmp_path / "t", params, _zero_state(params, 3, **plan), **plan)
     _assert_crossed(pairing, {n: p.detach().numpy() for n, p in model.named_parameters()}, params)

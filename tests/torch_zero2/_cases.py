@@ -69,18 +69,7 @@ def closure_and_scheduler(rank: int, world_size: int) -> None:
     sched = torch.optim.lr_scheduler.StepLR(pair.opt, step_size=1, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(pair.ref_opt, step_size=1, gamma=0.5)
     for step in range(3):
-        x = batch(rank, step)
-
-        def loss_fn(ddp=pair.ddp):
-            loss = ddp(x).pow(2).mean()
-            loss.backward()
-            return loss
-        loss = pair.opt.step(loss_fn)
-        ref_loss = pair.ref_ddp(x).pow(2).mean()
-        ref_loss.backward()
-        pair.ref_opt.step()
-        pair.opt.zero_grad()
-        pair.ref_opt.zero_grad()
+        loss, ref_loss = pair.closure_step(batch(rank, step))
         torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
         sched.step()
         ref_sched.step()

@@ -47,30 +47,25 @@ def two_groups(model: torch.nn.Module, optim: str) -> list[dict]:
             {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], **biases}]
 
 
-class Pair:
-    """The same model under hybrid DDP + ZeRO2 and under torch DDP + the plain optimizer."""
+class OptimizerPair:
+    """What the ZeRO2 and ZeRO3 pairs share: hybrid's wrapped model (``self.wrapped``) and optimizer
+    (``self.opt``) against torch's DDP (``self.ref_ddp``) and the plain optimizer (``self.ref_opt``),
+    over copies of one model (``self.model``, ``self.ref_model``)."""
 
-    def __init__(self, optim: str, ddp_options: dict, *, flat: bool = False, groups: bool = False, **extra):
-        cls, kwargs = OPTIMIZERS[optim]
-        kwargs = {**kwargs, **extra}
-        base = make_model()
-        self.model, self.ref_model = copy.deepcopy(base), copy.deepcopy(base)
-        self.ddp = DistributedDataParallel(self.model, **ddp_options)
-        self.ref_ddp = TorchDDP(self.ref_model, **ddp_options)
+    def _optimizers(self, make, optim: str, groups: bool, kwargs: dict) -> None:
+        """``self.opt = make(cls, ...)`` and the plain ``cls`` beside it, with two parameter groups or one."""
+        cls = OPTIMIZERS[optim][0]
         if groups:
-            self.opt = ZeRO2(self.ddp, cls, param_groups=two_groups(self.model, optim), **kwargs)
+            self.opt = make(cls, param_groups=two_groups(self.model, optim), **kwargs)
             self.ref_opt = cls(two_groups(self.ref_model, optim), **kwargs)
         else:
-            self.opt = ZeRO2(self.ddp, cls, **kwargs)
+            self.opt = make(cls, **kwargs)
             self.ref_opt = cls(self.ref_model.parameters(), **kwargs)
-        # On gloo ZeRO2 all-reduces and slices; flat=True forces the reduce-scatter/all-gather
-        # path it takes on other backends, so both are checked here.
-        self.opt._flat_collectives = flat
         # SGD's momentum-free group keeps no state: the count check needs every element to have some.
         self.copies = None if groups and optim == "sgd_momentum" else STATE_COPIES[optim]
 
     def backward(self, x):
-        self.ddp(x).pow(2).mean().backward()
+        self.wrapped(x).pow(2).mean().backward()
         self.ref_ddp(x).pow(2).mean().backward()
 
     def step(self):
@@ -78,6 +73,36 @@ class Pair:
         self.ref_opt.step()
         self.opt.zero_grad()
         self.ref_opt.zero_grad()
+
+    def closure_step(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step with a closure on our side, the plain loop on torch's: both losses."""
+        def loss_fn():
+            loss = self.wrapped(x).pow(2).mean()
+            loss.backward()
+            return loss
+        loss = self.opt.step(loss_fn)
+        ref_loss = self.ref_ddp(x).pow(2).mean()
+        ref_loss.backward()
+        self.ref_opt.step()
+        self.opt.zero_grad()
+        self.ref_opt.zero_grad()
+        return loss, ref_loss
+
+
+class Pair(OptimizerPair):
+    """The same model under hybrid DDP + ZeRO2 and under torch DDP + the plain optimizer."""
+
+    def __init__(self, optim: str, ddp_options: dict, *, flat: bool = False, groups: bool = False, **extra):
+        kwargs = {**OPTIMIZERS[optim][1], **extra}
+        base = make_model()
+        self.model, self.ref_model = copy.deepcopy(base), copy.deepcopy(base)
+        self.ddp = DistributedDataParallel(self.model, **ddp_options)
+        self.ref_ddp = TorchDDP(self.ref_model, **ddp_options)
+        self.wrapped = self.ddp
+        self._optimizers(lambda cls, **kw: ZeRO2(self.ddp, cls, **kw), optim, groups, kwargs)
+        # On gloo ZeRO2 all-reduces and slices; flat=True forces the reduce-scatter/all-gather
+        # path it takes on other backends, so both are checked here.
+        self.opt._flat_collectives = flat
 
     def check(self, what: str):
         for (name, p), q in zip(self.model.named_parameters(), self.ref_model.parameters()):

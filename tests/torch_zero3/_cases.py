@@ -171,17 +171,7 @@ def closure_and_scheduler(rank: int, world_size: int) -> None:
     pair = Pair("sgd_momentum", LAYOUTS["four_buckets"])
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (pair.opt, pair.ref_opt)]
     for step in range(3):
-        x = batch(rank, step)
-
-        def loss_fn():
-            loss = pair.zero(x).pow(2).mean()
-            loss.backward()
-            return loss
-        loss = pair.opt.step(loss_fn)
-        ref_loss = pair.ref_ddp(x).pow(2).mean()
-        ref_loss.backward()
-        pair.ref_opt.step()
-        pair.opt.zero_grad(); pair.ref_opt.zero_grad()
+        loss, ref_loss = pair.closure_step(batch(rank, step))
         assert torch.equal(loss, ref_loss) or world_size > 2
         for s in scheds:
             s.step()

@@ -19,10 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from hybrid.torch import GradientInShards, ZeRO3, ZeRO3Optimizer
 from tests.torch_zero._cases import OPTIMIZERS, make_model
-from tests.torch_zero2._pair import two_groups  # weights and biases, with other options per optimizer
+from tests.torch_zero2._pair import OptimizerPair
 
 RTOL, ATOL = 1.3e-6, 1e-6
-STATE_COPIES = {"adam": 2, "adamw": 2, "sgd_momentum": 1}
 
 # ZeRO3 layouts: the default plan (one bucket for this small model), several buckets, prefetch
 # depths, the forward's buckets kept for the backward, the flat collectives of other backends.
@@ -40,13 +39,12 @@ def use_flat_collectives(model: ZeRO3) -> None:
     model._buckets.flat_collectives = model._grads.flat_collectives = True
 
 
-class Pair:
+class Pair(OptimizerPair):
     """The same model under ZeRO3 + ZeRO3Optimizer and under torch DDP + the plain optimizer."""
 
     def __init__(self, optim: str, layout: dict, *, groups: bool = False, model: torch.nn.Module | None = None,
                  **extra):
-        cls, kwargs = OPTIMIZERS[optim]
-        kwargs = {**kwargs, **extra}
+        kwargs = {**OPTIMIZERS[optim][1], **extra}
         layout = dict(layout)
         flat = layout.pop("flat", False)
         base = make_model() if model is None else model
@@ -55,23 +53,8 @@ class Pair:
         if flat:
             use_flat_collectives(self.zero)
         self.ref_ddp = TorchDDP(self.ref_model)
-        if groups:
-            self.opt = ZeRO3Optimizer(self.zero, cls, param_groups=two_groups(self.model, optim), **kwargs)
-            self.ref_opt = cls(two_groups(self.ref_model, optim), **kwargs)
-        else:
-            self.opt = ZeRO3Optimizer(self.zero, cls, **kwargs)
-            self.ref_opt = cls(self.ref_model.parameters(), **kwargs)
-        self.copies = None if groups and optim == "sgd_momentum" else STATE_COPIES[optim]
-
-    def backward(self, x):
-        self.zero(x).pow(2).mean().backward()
-        self.ref_ddp(x).pow(2).mean().backward()
-
-    def step(self):
-        self.opt.step()
-        self.ref_opt.step()
-        self.opt.zero_grad()
-        self.ref_opt.zero_grad()
+        self.wrapped = self.zero
+        self._optimizers(lambda cls, **kw: ZeRO3Optimizer(self.zero, cls, **kw), optim, groups, kwargs)
 
     def check(self, world_size: int, what: str, *, exact: bool = True):
         """Every parameter (gathered: a collective) equal to the reference's, bit for bit at 1
