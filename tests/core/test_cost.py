@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hybrid.core import (COLLECTIVES, CostModel, Link, STAGES, TensorSpec, collective_seconds, exposed_seconds,
-                         plan_buckets, step_cost, wire_bytes)
+                         plan_buckets, step_cost, stream_ends, wire_bytes)
 
 LINK = Link("test", 1e-5, 1e9)  # 10 us, 1 GB/s
 
@@ -119,3 +119,23 @@ def test_measured_group_is_interpolated_through_its_knee():
     assert model.seconds("all_reduce", 10) == pytest.approx(t(1 << 12))  # the latency floor
     assert model.fits["all_reduce"].max_rel_error > 0.2  # what one line would have missed by
     assert CostModel.from_json(model.to_json()) == model
+
+
+def test_gaps_are_what_the_trains_measured_above_or_below_the_isolated_time():
+    # 4 KiB: a train of 32 costs 1 ms + 31 x 0.5 ms (contention: more than alone, as 3 gloo ranks
+    # on 2 cores measured); 1 MiB: 4 of them cost 3 ms + 3 x 2 ms (overlapped: less than alone).
+    alone = {1 << 12: 1e-3, 1 << 20: 3e-3}
+    trains = {1 << 12: (32, 1e-3 + 31 * 1.5e-3), 1 << 20: (4, 3e-3 + 3 * 2e-3)}
+    model = CostModel.fit([("all_reduce", n, t) for n, t in alone.items() for _ in range(3)],
+                          trains=[("all_reduce", n, k, t) for n, (k, t) in trains.items() for _ in range(3)],
+                          world_size=3)
+    assert model.gap("all_reduce", 1 << 12) == pytest.approx(1.5e-3)  # above its isolated 1 ms: kept
+    assert model.gap("all_reduce", 1 << 20) == pytest.approx(2e-3)
+    # the train as stream_ends runs it: the first costs its time, the rest a gap each
+    ends = stream_ends([(0.0, model.seconds("all_reduce", 4096), model.gap("all_reduce", 4096))] * 32)
+    assert ends[-1] == pytest.approx(trains[1 << 12][1])
+    # noise that puts a train below half its mean per collective is held there
+    low = CostModel.fit([("all_reduce", n, t) for n, t in alone.items()],
+                        trains=[("all_reduce", 1 << 12, 8, 1e-3 + 7 * 1e-5), ("all_reduce", 1 << 20, 2, 4e-3)],
+                        world_size=2)
+    assert low.gap("all_reduce", 1 << 12) == pytest.approx((1e-3 + 7e-5) / 8 / 2)

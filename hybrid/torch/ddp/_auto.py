@@ -81,7 +81,7 @@ def probe_sizes(total_bytes: int) -> tuple[int, ...]:
     first at or past the whole model (no bucket is bigger), at least two.
 
     >>> probe_sizes(400 << 10)
-    (4096, 65536, 1048576)
+    (4096, 65536, 262144, 1048576)
     >>> probe_sizes(1 << 40) == PROBE_SIZES
     True
     """
