@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 from hybrid.models._config import GPTConfig
 

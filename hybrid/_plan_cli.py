@@ -289,7 +289,7 @@ def print_report(report: dict) -> None:
                                                                   "gathered_bytes", "total_bytes"))]
                         for name, m in (("regathered in the backward", z3), ("kept for the backward", kept))]))
     sent = report["sent_bytes_per_rank_per_step"]
-    print(f"\nSent per rank per step (ring collectives), and against DDP:")
+    print("\nSent per rank per step (ring collectives), and against DDP:")
     names = {"ddp": "DDP", "zero1": "ZeRO-1 (torch)", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_kept": "ZeRO-3 kept"}
     print(format_table(list(names.values()), [[human_bytes(sent[k]) for k in names],
                                               [f"{sent[k] / sent['ddp']:.2f}x" if sent["ddp"] else "-" for k in names]]))

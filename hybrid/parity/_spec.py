@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 import math
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import numpy as np
 

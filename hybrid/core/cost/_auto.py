@@ -38,7 +38,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from hybrid.core._buckets import Bucket, BucketPlan, _layout
+from hybrid.core._buckets import BucketPlan, _layout
 from hybrid.core._spec import TensorSpec, check_specs
 from hybrid.core.cost._collectives import stream_ends
 
