@@ -46,6 +46,13 @@ def test_clip_equals_optax_unsharded(placement, opt):
         params, state = step(params, state, *make_batch(i))
         for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL, err_msg=f"step {i}")
+    print(f"clip {placement}, {opt}: max |param diff| after {NUM_STEPS} steps against optax unsharded "
+          f"{_max_diff(params, want):.1e}")
+
+
+def _max_diff(got, want) -> float:
+    return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
 
 
 def test_sharded_and_replicated_leaves_in_one_tree():

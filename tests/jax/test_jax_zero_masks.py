@@ -77,6 +77,9 @@ def test_masks_inside_zero_equal_unsharded(name, stage, world_size):
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL,
                                        err_msg=f"step {i} {jax.tree_util.keystr(path)}")
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)))
+    print(f"{name}, stage {stage}, {world_size} devices: max |param diff| after {NUM_STEPS} steps {diff:.1e}")
 
 
 def test_frozen_leaves_do_not_move():

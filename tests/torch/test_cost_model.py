@@ -22,7 +22,7 @@ noise) is not judged. The rows that can be judged are asserted; if some could no
 skips, naming them and their spread (a machine shared with other jobs; CI runs the suite alone).
 
 It runs when HYBRID_COST_VALIDATION=1 is set: on this project's 2-core machines it does not pass
-on every run (10 of 12 runs on an idle machine judged no row outside 20%; two failed on one row
+on every run (13 of 16 runs on an idle machine judged no row outside 20%; three failed on one row
 each, and the 2-rank train of 200 all-reduces scatters up to 3.6x between rounds: docs/core.md),
 so it is not part of the default run, where it would fail or skip at random. Issue 25 stays open
 on it.
