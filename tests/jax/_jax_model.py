@@ -69,6 +69,12 @@ def shard_map_train(tx, mesh, params, *, jit=True, donate_state=False):
     return init, step
 
 
+def max_abs_diff(got, want) -> float:
+    """The largest |got - want| over every leaf of two trees of the same structure."""
+    return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True))
+
+
 def assert_trees_close(got, want, *, rtol, atol, what=""):
     """Every leaf of ``got`` close to ``want``'s (same structure), the failing leaf named."""
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True):

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import hybrid.jax as hj
-from _jax_model import CAPS, make_batch, make_params, reference, shard_map_train
+from _jax_model import CAPS, make_batch, make_params, max_abs_diff, reference, shard_map_train
 
 NUM_STEPS, WORLD, MAX_NORM = 30, 4, 0.1  # the gradients' norm is ~1: the clip acts on every step
 # float32, same framework: a mean of per-device means vs one mean over the batch, and the norm's
@@ -47,12 +47,7 @@ def test_clip_equals_optax_unsharded(placement, opt):
         for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL, err_msg=f"step {i}")
     print(f"clip {placement}, {opt}: max |param diff| after {NUM_STEPS} steps against optax unsharded "
-          f"{_max_diff(params, want):.1e}")
-
-
-def _max_diff(got, want) -> float:
-    return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+          f"{max_abs_diff(params, want):.1e}")
 
 
 def test_sharded_and_replicated_leaves_in_one_tree():
