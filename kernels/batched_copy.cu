@@ -9,7 +9,9 @@
 
 namespace ffi = xla::ffi;
 
+#ifndef HB_THREADS
 #define HB_THREADS 512
+#endif
 
 __global__ void __launch_bounds__(HB_THREADS) hb_kernel(const __grid_constant__ hb_table t) {
   hb_run_block(t, blockIdx.x, threadIdx.x, blockDim.x);

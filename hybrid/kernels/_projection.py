@@ -29,6 +29,10 @@ class Device:
 # H100 SXM5: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16 (NVIDIA's datasheet). Copies reach ~85-90% of
 # peak on HBM3; a kernel launch costs a few microseconds of host time.
 H100_SXM = Device("H100 SXM (HBM3, 3.35 TB/s)", 3.35e12, 5e-6, 0.85, 989e12)
+# H200 SXM: the H100's chip with 4.8 TB/s HBM3e (NVIDIA's datasheet); the same launch and
+# copy-efficiency assumptions, so a run on either card checks the same two terms.
+H200_SXM = Device("H200 SXM (HBM3e, 4.8 TB/s)", 4.8e12, 5e-6, 0.85, 989e12)
+DEVICES = {"h100": H100_SXM, "h200": H200_SXM}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,7 +53,7 @@ def project_plan(plan: BucketPlan, device: Device = H100_SXM) -> list[BucketCopy
     >>> from hybrid.core import TensorSpec, plan_buckets
     >>> plan = plan_buckets([TensorSpec(f"w{i}", (1024, 1024), "float32") for i in range(8)])
     >>> [(c.tensors, c.launches) for c in project_plan(plan)]
-    [(7, 4), (1, 2)]
+    [(7, 2), (1, 2)]
     """
     out = []
     for b, bucket in enumerate(plan.buckets):

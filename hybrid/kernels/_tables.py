@@ -53,10 +53,10 @@ class LaunchCount:
 
 
 def chunk_bytes(total_bytes: int, config: LaunchConfig | None = None) -> int:
-    """Bytes one block copies: ``max(16 KiB, total / 1024)`` rounded up to 16 (``hb_builder_init``).
+    """Bytes one block copies: ``max(32 KiB, total / 1024)`` rounded up to 16 (``hb_builder_init``).
 
     >>> chunk_bytes(100), chunk_bytes(64 << 20)
-    (16384, 65536)
+    (32768, 65536)
     """
     c = config or launch_config()
     chunk = (total_bytes // c.target_blocks + 15) // 16 * 16
