@@ -89,3 +89,24 @@ def test_jax_ffi_end_to_end():
         ref = kernels.jax_scatter(plan, b, got, out_dtype="float32", backend="reference")
         for m in back:
             np.testing.assert_array_equal(np.asarray(back[m]), np.asarray(ref[m]))
+
+
+def test_repeated_calls_follow_new_contents_and_new_storage():
+    """The second and later calls reuse the prepared copy list (same addresses): they must still
+    copy the tensors' current values, and a tensor moved to new storage must be read there."""
+    plan = plan_buckets([TensorSpec(f"p{i}", (n,), "float32") for i, n in enumerate([5, 1000, 3])])
+    tensors = [torch.randn(s.shape, device="cuda") for s in plan.specs]
+    out = torch.empty(plan.buckets[0].length, device="cuda")
+    for step in range(3):
+        if step == 2:
+            tensors[1] = torch.randn(1000, device="cuda")  # new storage
+        for t in tensors:
+            t.add_(1.0)
+        got = kernels.gather(plan, 0, tensors, out, scale=0.5, backend="cuda").clone()
+        want = kernels.gather(plan, 0, tensors, scale=0.5, backend="reference")
+        assert torch.equal(got, want)
+        back = [torch.empty_like(t) for t in tensors]
+        kernels.scatter(plan, 0, got, back, backend="cuda")
+        bucket = plan.buckets[0]
+        for m, offset in zip(bucket.members, bucket.offsets):
+            assert torch.equal(back[m], got[offset:offset + tensors[m].numel()])
