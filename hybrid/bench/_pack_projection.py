@@ -11,23 +11,25 @@ import json
 
 from hybrid._examples import gpt2_small
 from hybrid.core import TensorSpec, plan_buckets
-from hybrid.kernels._projection import H100_SXM, project_plan, transformer_step_seconds
+from hybrid.kernels._projection import H100_SXM, Device, project_plan, transformer_step_seconds
 
 GPT2 = dict(layers=12, width=768, context=1024)
 
 
-def projection(workloads: dict[str, list[TensorSpec]], *, tokens: int, mfu: float) -> dict:
+def projection(workloads: dict[str, list[TensorSpec]], *, tokens: int, mfu: float,
+               device: Device = H100_SXM) -> dict:
     """Per workload at torch's default caps: buckets, launches, bytes moved, projected time, and
     that time as a fraction of a GPT-2-small training step on the same device."""
-    step = transformer_step_seconds(sum(s.numel for s in gpt2_small()), tokens=tokens, mfu=mfu, **GPT2)
+    step = transformer_step_seconds(sum(s.numel for s in gpt2_small()), tokens=tokens, mfu=mfu, device=device,
+                                    **GPT2)
     rows = []
     for name, specs in workloads.items():
-        copies = project_plan(plan_buckets(specs))
+        copies = project_plan(plan_buckets(specs), device)
         seconds = sum(c.seconds for c in copies)
         rows.append({"workload": name, "tensors": len(specs), "buckets": len(copies),
                      "launches": sum(c.launches for c in copies), "bytes_moved": sum(c.bytes_moved for c in copies),
                      "seconds": seconds, "fraction_of_gpt2_step": seconds / step})
-    d = H100_SXM
+    d = device
     return {"device": d.name, "hbm_bytes_per_s": d.hbm_bytes_per_s, "copy_efficiency": d.copy_efficiency,
             "launch_s": d.launch_s, "gpt2_step": {"tokens": tokens, "mfu": mfu, "seconds": step}, "rows": rows}
 
@@ -46,8 +48,9 @@ def print_projection(report: dict) -> None:
           "GB moved = bytes read + written")
 
 
-def main(workloads: dict[str, list[TensorSpec]], *, tokens: int, mfu: float, as_json: bool) -> int:
-    report = projection({"gpt2-small": gpt2_small(), **workloads}, tokens=tokens, mfu=mfu)
+def main(workloads: dict[str, list[TensorSpec]], *, tokens: int, mfu: float, as_json: bool,
+         device: Device = H100_SXM) -> int:
+    report = projection({"gpt2-small": gpt2_small(), **workloads}, tokens=tokens, mfu=mfu, device=device)
     if as_json:
         print(json.dumps(report, indent=2))
     else:

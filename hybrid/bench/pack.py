@@ -7,8 +7,11 @@ the same bytes, measured in the same run, interleaved (copy, path, copy again, .
 for the A/A row), medians over repetitions and the ratio table of ``hybrid.bench._stats``.
 
 On a GPU (and with the kernels built) the path is the CUDA kernels and the baseline a device
-memcpy; elsewhere the reference path (torch ``_foreach_copy_`` into views) and, for numpy,
-``hybrid.core.pack`` / ``unpack`` against ``np.copyto``.
+memcpy; ``cuda-op`` is the same kernels called through torch's custom-op dispatcher (as under
+``torch.compile``), and each path is timed twice there: called from Python, and replayed from a
+CUDA graph (the device's time alone, what ``--project`` models). Elsewhere the reference path
+(torch ``_foreach_copy_`` into views) and, for numpy, ``hybrid.core.pack`` / ``unpack`` against
+``np.copyto``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ def _run_torch(name, shapes, device, backend, reps) -> list[tuple]:
         for b, f in enumerate(flats):
             kernels.scatter(plan, b, f, grads, backend=backend)
 
+    if backend == "cuda-op":  # the kernels through torch's custom-op dispatcher, as torch.compile calls them
+        from hybrid.kernels._torch import _torch_ops
+        _, gather_op, scatter_op = _torch_ops()
+        members = [([grads[m] for m in b.members], list(b.offsets)) for b in plan.buckets]
+
+        def gather_all():
+            for (ts, offsets), f in zip(members, flats):
+                gather_op(ts, f, offsets, None)
+
+        def scatter_all():
+            for (ts, offsets), f in zip(members, flats):
+                scatter_op(f, ts, offsets, None)
+
     def memcpy():
         dst.copy_(src)
 
@@ -83,7 +99,26 @@ def _run_torch(name, shapes, device, backend, reps) -> list[tuple]:
     for what, fn in (("pack", gather_all), ("unpack", scatter_all)):
         rows.append((name, f"torch {backend} {what}", len(shapes), len(plan.buckets), nbytes,
                      *_interleaved(fn, memcpy, reps, sync)))
+        if device == "cuda":
+            # the same launches captured once in a CUDA graph and replayed: the device's time
+            # alone, without the host's per-call work (what the projection models)
+            replay = _captured(fn, torch)
+            rows.append((name, f"torch {backend} {what} graph", len(shapes), len(plan.buckets), nbytes,
+                         *_interleaved(replay, memcpy, reps, sync)))
     return rows
+
+
+def _captured(fn, torch):
+    """``fn``'s launches as a CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm up outside capture (lazy registration, first allocations)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _run_numpy(name, shapes, reps) -> list[tuple]:
@@ -120,7 +155,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--project", action="store_true",
-                        help="no timing: project the CUDA kernels' time on an H100 from the plans' bytes and launches")
+                        help="no timing: project the CUDA kernels' time on a GPU (--gpu) from the plans' bytes and launches")
+    parser.add_argument("--gpu", choices=("h100", "h200"), default="h100", help="--project: the device model")
     parser.add_argument("--tokens", type=int, default=8192, help="--project: tokens per GPU in the GPT-2 step")
     parser.add_argument("--mfu", type=float, default=0.4, help="--project: the GPT-2 step's model FLOPs utilization")
     parser.add_argument("--json", action="store_true", help="--project: print JSON")
@@ -129,16 +165,18 @@ def main(argv: list[str]) -> int:
         if args.tokens <= 0 or not 0 < args.mfu <= 1:
             parser.error(f"--tokens must be positive and --mfu in (0, 1], got {args.tokens} and {args.mfu}")
         from hybrid.bench import _pack_projection
+        from hybrid.kernels._projection import DEVICES
         specs = {name: [TensorSpec(f"p{i}", s, "float32") for i, s in enumerate(shapes)]
                  for name, shapes in (("transformer", transformer_shapes()), ("2000 small", small_shapes()))}
-        return _pack_projection.main(specs, tokens=args.tokens, mfu=args.mfu, as_json=args.json)
+        return _pack_projection.main(specs, tokens=args.tokens, mfu=args.mfu, as_json=args.json,
+                                     device=DEVICES[args.gpu])
     import torch
     from hybrid import kernels
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     reps = 3 if args.quick else args.reps
     workloads = [("transformer", transformer_shapes(2, 128, 1000) if args.quick else transformer_shapes()),
                  ("2000 small", small_shapes(200 if args.quick else 2000))]
-    backends = ["reference"] + (["cuda"] if device == "cuda" and kernels.available() else [])
+    backends = ["reference"] + (["cuda", "cuda-op"] if device == "cuda" and kernels.available() else [])
     print(f"device={device} torch_threads={torch.get_num_threads()} reps={reps} backends={backends}")
     rows = []
     for name, shapes in workloads:

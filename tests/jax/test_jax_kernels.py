@@ -166,13 +166,19 @@ def _on_gpu():
 @pytest.mark.skipif(not _on_gpu(), reason="needs JAX on a GPU backend (this machine runs JAX on CPU)")
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot build the kernels")
 @pytest.mark.parametrize("name", ["bucketed_all_reduce", "zero1", "zero2"])
-def test_gpu_kernels_equal_reference(name, tmp_path, monkeypatch):
+def test_gpu_kernels_equal_reference(name, tmp_path, monkeypatch, request):
     monkeypatch.setenv("HYBRID_KERNELS_LIB", str(kernels.build(tmp_path)))
-    kernels._library.cache_clear()
+    kernels_build._library.cache_clear()
+    request.addfinalizer(kernels_build._library.cache_clear)  # after monkeypatch restores the path
     world = len(jax.devices())
     got, want = _train(name, "cuda", world), _train(name, "reference", world)
+    # The kernel scales by 1/world in float32 where the reference divides: equal for a power-of-two
+    # world size, at most 1 ulp apart otherwise. On an H200 (2026-11-26) bucketed_all_reduce at
+    # world 1 came out 1 ulp off in 1 of 3 runs, and only when other GPU tests had compiled first
+    # in the process; alone it was bitwise, and zero1/zero2 always were. The two paths are two XLA
+    # programs, and XLA's GPU autotuner picks each program's matmul algorithms by timing them, so
+    # their reduction orders may differ (likely, not established). The kernels themselves copy bit
+    # for bit (tests/kernels/test_gpu.py), hence 1 ulp whatever the world size.
     for a_step, b_step in zip(got, want):
         for a, b in zip(a_step, b_step):
-            # the kernel scales by 1/world in float32 where the reference divides: equal for a
-            # power-of-two world size, at most 1 ulp apart otherwise
-            np.testing.assert_array_max_ulp(a, b, maxulp=0 if world & (world - 1) == 0 else 1)
+            np.testing.assert_array_max_ulp(a, b, maxulp=1)
