@@ -120,6 +120,8 @@ def test_torch_groups_continue_in_jax(tmp_path, case, where):
         params = _continue_zero(tmp_path / "t", tx)
     for i in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
         _torch_step(model, opt, i)
+    # the figure issue 23 asks for (pytest -s prints it)
+    print(f"{case}, {where}, optax_from_manifest: max |param diff| from torch {_max_diff(params, model):.1e}")
     _assert_close(params, model)
 
 
@@ -133,6 +135,7 @@ def test_one_adamw_drops_the_groups(tmp_path):
     params = _continue_unsharded(tx, params, state)
     for i in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
         _torch_step(model, opt, i)
+    print(f"adamw_decay_no_decay, one optax.adamw: max |param diff| from torch {_max_diff(params, model):.1e}")
     assert _max_diff(params, model) > 100 * ATOL
 
 
