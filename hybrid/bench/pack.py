@@ -60,9 +60,38 @@ def _interleaved(path, copy, reps: int, sync) -> tuple[list[float], list[float],
     return times
 
 
+def _copy_paths(plan, grads, flats, backend):
+    """Pack and unpack of every bucket through ``backend``: ``hybrid.kernels`` (``reference`` or
+    ``cuda``), or ``cuda-op``, the kernels through torch's custom-op dispatcher as
+    ``torch.compile`` calls them."""
+    from hybrid import kernels
+    if backend != "cuda-op":
+        def gather_all():
+            for b, f in enumerate(flats):
+                kernels.gather(plan, b, grads, f, backend=backend)
+
+        def scatter_all():
+            for b, f in enumerate(flats):
+                kernels.scatter(plan, b, f, grads, backend=backend)
+
+        return gather_all, scatter_all
+    from hybrid.kernels._torch import _torch_ops
+    _, gather_op, scatter_op = _torch_ops()
+    members = [([grads[m] for m in b.members], list(b.offsets)) for b in plan.buckets]
+
+    def gather_ops():
+        for (ts, offsets), f in zip(members, flats):
+            gather_op(ts, f, offsets, None)
+
+    def scatter_ops():
+        for (ts, offsets), f in zip(members, flats):
+            scatter_op(f, ts, offsets, None)
+
+    return gather_ops, scatter_ops
+
+
 def _run_torch(name, shapes, device, backend, reps) -> list[tuple]:
     import torch
-    from hybrid import kernels
     specs = [TensorSpec(f"p{i}", s, "float32", device=device) for i, s in enumerate(shapes)]
     plan = plan_buckets(specs)
     grads = [torch.randn(s, device=device) for s in shapes]
@@ -71,26 +100,7 @@ def _run_torch(name, shapes, device, backend, reps) -> list[tuple]:
     src, dst = torch.randn(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def gather_all():
-        for b, f in enumerate(flats):
-            kernels.gather(plan, b, grads, f, backend=backend)
-
-    def scatter_all():
-        for b, f in enumerate(flats):
-            kernels.scatter(plan, b, f, grads, backend=backend)
-
-    if backend == "cuda-op":  # the kernels through torch's custom-op dispatcher, as torch.compile calls them
-        from hybrid.kernels._torch import _torch_ops
-        _, gather_op, scatter_op = _torch_ops()
-        members = [([grads[m] for m in b.members], list(b.offsets)) for b in plan.buckets]
-
-        def gather_all():
-            for (ts, offsets), f in zip(members, flats):
-                gather_op(ts, f, offsets, None)
-
-        def scatter_all():
-            for (ts, offsets), f in zip(members, flats):
-                scatter_op(f, ts, offsets, None)
+    gather_all, scatter_all = _copy_paths(plan, grads, flats, backend)
 
     def memcpy():
         dst.copy_(src)
