@@ -29,9 +29,8 @@ def projection(workloads: dict[str, list[TensorSpec]], *, tokens: int, mfu: floa
         rows.append({"workload": name, "tensors": len(specs), "buckets": len(copies),
                      "launches": sum(c.launches for c in copies), "bytes_moved": sum(c.bytes_moved for c in copies),
                      "seconds": seconds, "fraction_of_gpt2_step": seconds / step})
-    d = device
-    return {"device": d.name, "hbm_bytes_per_s": d.hbm_bytes_per_s, "copy_efficiency": d.copy_efficiency,
-            "launch_s": d.launch_s, "gpt2_step": {"tokens": tokens, "mfu": mfu, "seconds": step}, "rows": rows}
+    return {"device": device.name, "hbm_bytes_per_s": device.hbm_bytes_per_s,
+            "copy_efficiency": device.copy_efficiency, "launch_s": device.launch_s, "gpt2_step": {"tokens": tokens, "mfu": mfu, "seconds": step}, "rows": rows}
 
 
 def print_projection(report: dict) -> None:

@@ -102,6 +102,10 @@ _PREPARED_MAX = 512
 
 
 def _prepared(key, bucket, build):
+    """The copy list ``build()`` returns, kept under ``key`` for ``bucket``; built afresh (and not
+    kept) without a bucket, as through the custom op."""
+    if bucket is None:
+        return build()
     hit = _PREPARED.get(key)
     if hit is not None and hit[0] is bucket:
         _PREPARED.move_to_end(key)
@@ -124,10 +128,7 @@ def _torch_gather_cuda(tensors, out, offsets, scale, bucket=None) -> None:
     def build():
         return gather_copies(ptrs, [t.numel() for t in tensors], offsets, out.data_ptr(), out.numel(), size)
 
-    if bucket is None:  # through the custom op: no bucket to key the cache by
-        copies = build()
-    else:
-        copies = _prepared(("gather", id(bucket), out.data_ptr(), out.numel(), src, dst, *ptrs), bucket, build)
+    copies = _prepared(("gather", id(bucket), out.data_ptr(), out.numel(), src, dst, *ptrs), bucket, build)
     launch(*copies, src, dst, size, scale, torch.cuda.current_stream(out.device).cuda_stream)
 
 
@@ -141,10 +142,7 @@ def _torch_scatter_cuda(flat, outs, offsets, scale, bucket=None) -> None:
     def build():
         return scatter_copies(flat.data_ptr(), size, offsets, ptrs, [t.numel() for t in outs])
 
-    if bucket is None:
-        copies = build()
-    else:
-        copies = _prepared(("scatter", id(bucket), flat.data_ptr(), src, dst, *ptrs), bucket, build)
+    copies = _prepared(("scatter", id(bucket), flat.data_ptr(), src, dst, *ptrs), bucket, build)
     launch(*copies, src, dst, size, scale, torch.cuda.current_stream(flat.device).cuda_stream)
 
 
@@ -242,15 +240,14 @@ def gather(plan: BucketPlan, bucket_index: int, tensors: Sequence, out=None, *, 
     _check_cast(bucket.dtype, canonical_dtype(dtype), scale)
     gather_bucket, gather_bucket_, _ = _torch_ops()
     on_cuda = members[0].device.type == "cuda"
-    if resolve_backend(backend, on_cuda=on_cuda) == "reference":
+    reference = resolve_backend(backend, on_cuda=on_cuda) == "reference"
+    if reference or _direct(torch):
         if out is None:
             out = torch.empty(bucket.length, dtype=dtype, device=members[0].device)
-        _torch_gather_reference(members, out, list(bucket.offsets), scale)
-        return out
-    if _direct(torch):
-        if out is None:
-            out = torch.empty(bucket.length, dtype=dtype, device=members[0].device)
-        _torch_gather_cuda(members, out, bucket.offsets, scale, bucket)
+        if reference:
+            _torch_gather_reference(members, out, list(bucket.offsets), scale)
+        else:
+            _torch_gather_cuda(members, out, bucket.offsets, scale, bucket)
         return out
     if out is None:
         return gather_bucket(members, list(bucket.offsets), bucket.length, scale, dtype)
