@@ -80,7 +80,8 @@ def _build() -> pathlib.Path:
     if cxx is None:
         raise RuntimeError("hybrid.bench._live needs a C++ compiler (g++ or $CXX) to count live tensor bytes")
     out.parent.mkdir(parents=True, exist_ok=True)
-    src = out.with_suffix(".cpp")
+    # Per-process names: ranks (or test workers) building at once never read a half-written source.
+    src = out.with_suffix(f".{os.getpid()}.cpp")
     src.write_text(_SOURCE)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
@@ -88,6 +89,7 @@ def _build() -> pathlib.Path:
                     f"-I{torch_dir / 'include'}", str(src), f"-L{torch_dir / 'lib'}", "-lc10",
                     f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(tmp)], check=True, capture_output=True)
     os.replace(tmp, out)  # atomic: concurrent ranks building at once each get a whole library
+    src.unlink()
     return out
 
 

@@ -120,7 +120,7 @@ def test_torch_groups_continue_in_jax(tmp_path, case, where):
         params = _continue_zero(tmp_path / "t", tx)
     for i in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
         _torch_step(model, opt, i)
-    # the figure issue 23 asks for (pytest -s prints it)
+    # the figure issue 23 asks for (pytest -n 0 -s prints it)
     print(f"{case}, {where}, optax_from_manifest: max |param diff| from torch {_max_diff(params, model):.1e}")
     _assert_close(params, model)
 
