@@ -207,29 +207,30 @@ class Checkpoint:
 
     def slices(self, kind: str, plan: ReshardPlan, rank: int) -> list[np.ndarray]:
         """Rank ``rank``'s slices of every bucket of ``plan.dst`` for ``kind`` (stored dtypes)."""
-        return self._gather(kind, plan, [rank])
+        return self.slices_of([kind], plan, [rank])[kind, rank]
 
-    def buckets(self, kind: str, plan: ReshardPlan) -> list[np.ndarray]:
-        """Every bucket of ``plan.dst`` whole (every rank's slice, padded) for ``kind``: the
-        global flat arrays of a sharded optimizer state, each read straight into place."""
-        return self._gather(kind, plan, range(plan.dst.world_size))
-
-    def _gather(self, kind: str, plan: ReshardPlan, ranks) -> list[np.ndarray]:
-        """The slices of the consecutive destination ``ranks``, one array per bucket; padding is zero."""
-        sizes = plan.dst.shard_sizes
-        out = [np.empty(n * len(ranks), storage_dtype(b.dtype)) for n, b in zip(sizes, plan.dst.bucket_plan.buckets)]
+    def slices_of(self, kinds, plan: ReshardPlan, ranks) -> dict[tuple[str, int], list[np.ndarray]]:
+        """``{(kind, rank): slices}``: :meth:`slices` for several kinds and destination ranks,
+        read together (the files in parallel threads, each file's ranges in file order)."""
         requests: dict[int, list] = {}
-        for j, rank in enumerate(ranks):
-            filled = [0] * len(sizes)  # copies come sorted by destination: what lies between is padding
-            for c in plan.copies(rank):
-                flat, base = out[c.dst_bucket], j * sizes[c.dst_bucket]
-                flat[base + filled[c.dst_bucket]:base + c.dst_start] = 0
-                requests.setdefault(c.src_rank, []).append(
-                    (f"{kind}/{c.src_bucket}", c.src_start, flat[base + c.dst_start:base + c.dst_start + c.length]))
-                filled[c.dst_bucket] = c.dst_start + c.length
-            for b, n in enumerate(sizes):
-                out[b][j * n + filled[b]:(j + 1) * n] = 0
+        out = {(kind, rank): self._request_slices(kind, plan, rank, requests) for kind in kinds for rank in ranks}
         self._read(requests)
+        return out
+
+    def _request_slices(self, kind: str, plan: ReshardPlan, rank: int, requests: dict[int, list]) -> list[np.ndarray]:
+        """Destination rank ``rank``'s slices, one array per bucket, their reads added to
+        ``requests`` (by source file); padding is zero."""
+        sizes = plan.dst.shard_sizes
+        out = [np.empty(n, storage_dtype(b.dtype)) for n, b in zip(sizes, plan.dst.bucket_plan.buckets)]
+        filled = [0] * len(sizes)  # copies come sorted by destination: what lies between is padding
+        for c in plan.copies(rank):
+            flat = out[c.dst_bucket]
+            flat[filled[c.dst_bucket]:c.dst_start] = 0
+            requests.setdefault(c.src_rank, []).append(
+                (f"{kind}/{c.src_bucket}", c.src_start, flat[c.dst_start:c.dst_start + c.length]))
+            filled[c.dst_bucket] = c.dst_start + c.length
+        for b, n in enumerate(sizes):
+            out[b][filled[b]:] = 0
         return out
 
     def tensors(self, kind: str, names=None) -> dict[str, np.ndarray]:

@@ -25,7 +25,9 @@ writing (every rank)
      old checkpoint in ``.previous``, the next save puts it back (step 1).
   7. rename ``.saving`` to PATH: **the commit point**. From here on PATH holds the new checkpoint.
   8. fsync PATH's parent directory.
-  9. remove ``.previous``: each rank its own old files (in parallel), then one process the rest.
+  9. remove ``.previous``: each rank its own old shard files, rank 0 the rest, and whichever
+     rank finishes last the emptied directory. No barrier: a rank returns once its own part is
+     gone (a rank that starts the next save early may remove a straggler's files for it).
 
 ``Checkpoint(PATH)`` reads PATH if it holds a manifest, else ``.previous`` (with a warning).
 The crash-injection test (tests/checkpoint/test_protocol.py) stops a save before each of these
@@ -36,6 +38,7 @@ coordinated (one saver at a time, as in any training run).
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import warnings
@@ -87,25 +90,39 @@ class FileSystem:
             os.close(fd)
 
     def unlink(self, path: pathlib.Path) -> None:
+        """Remove a file; one another rank removed first is not an error (step 9 has no barrier)."""
         self.before("unlink", path)
-        path.unlink()
+        path.unlink(missing_ok=True)
+
+    def rmdir(self, path: pathlib.Path) -> bool:
+        """Remove an empty directory; False if it is not empty yet or already gone (another rank
+        still removing its files, or done first)."""
+        self.before("rmdir", path)
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+        return True
 
     def remove_tree(self, path: pathlib.Path) -> None:
-        """Remove ``path`` and what it holds, one file at a time (a crash may stop it midway)."""
+        """Remove ``path`` and what it holds, one file at a time (a crash may stop it midway).
+        Entries another process removes meanwhile are skipped."""
         if not path.exists() and not path.is_symlink():
             return
         if path.is_symlink() or not path.is_dir():
-            self.before("unlink", path)
-            path.unlink()
+            self.unlink(path)
             return
         for root, dirs, files in os.walk(path, topdown=False):
             for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-                self.before("unlink", pathlib.Path(root, name))
-                os.unlink(os.path.join(root, name))
+                self.unlink(pathlib.Path(root, name))
             for name in dirs:
                 if not os.path.islink(os.path.join(root, name)):
                     self.before("rmdir", pathlib.Path(root, name))
-                    os.rmdir(os.path.join(root, name))
+                    pathlib.Path(root, name).rmdir()
         self.before("rmdir", path)
         path.rmdir()
 
@@ -155,8 +172,8 @@ def begin_save(path: str | os.PathLike) -> pathlib.Path:
 
 def commit_save(path: str | os.PathLike, manifest: Manifest, *, remove_previous: bool = True) -> None:
     """Steps 5-9: write the manifest last, then swap the staging directory into ``path`` (one
-    process). ``remove_previous=False`` leaves step 9 to the caller (:func:`remove_previous_shards`
-    on every rank, then :func:`remove_previous`)."""
+    process). ``remove_previous=False`` leaves step 9 to the caller (:func:`remove_previous_part`
+    on every rank)."""
     path, stage, prev = resolve(path), staging(path), previous(path)
     write_atomically(stage / MANIFEST, [manifest.dumps().encode()])
     fs.fsync_dir(stage)
@@ -171,17 +188,22 @@ def commit_save(path: str | os.PathLike, manifest: Manifest, *, remove_previous:
         fs.remove_tree(prev)
 
 
-def remove_previous_shards(path: str | os.PathLike, rank: int, world_size: int, *, map=map) -> None:
-    """Step 9 shared out, after the commit: remove the shard files of the replaced checkpoint
-    that ``rank`` of ``world_size`` owns (ranks ``rank``, ``rank + world_size``, ...), so that
-    freeing the old files costs each rank what overwriting its own would; ``map`` may run the
-    removals in threads. Then one process removes what is left with :func:`remove_previous`."""
+def remove_previous_part(path: str | os.PathLike, rank: int, world_size: int, *, map=map) -> None:
+    """Step 9 shared out, after the commit: rank ``rank`` of ``world_size`` removes the replaced
+    checkpoint's shard files it owns (ranks ``rank``, ``rank + world_size``, ...), rank 0 also
+    the manifest and anything else, and each then tries to remove the directory: the last to
+    finish succeeds. Freeing the old files costs each rank what overwriting its own would, and no
+    rank waits for another's; ``map`` may run the removals in threads."""
     prev = previous(path)
-    if prev.is_symlink() or not prev.is_dir():
+    try:
+        if prev.is_symlink() or not prev.is_dir():
+            return
+        names = sorted(os.listdir(prev))
+    except FileNotFoundError:  # another rank removed it first
         return
-    mine = [prev / name for name in sorted(os.listdir(prev))
-            if shard_file_rank(name) is not None and shard_file_rank(name) % world_size == rank]
-    list(map(fs.unlink, mine))
+    owner = lambda name: (shard_file_rank(name) if shard_file_rank(name) is not None else 0) % world_size
+    list(map(fs.remove_tree, [prev / name for name in names if owner(name) == rank]))
+    fs.rmdir(prev)
 
 
 def remove_previous(path: str | os.PathLike) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from hybrid.core import BucketPlan, plan_buckets, rebuild_plan, shard_flat
 from hybrid.checkpoint._files import storage_dtype, write_shard
-from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous, remove_previous_shards
+from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous_part
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
 from hybrid.checkpoint._torch_zero3 import save_zero3
@@ -162,11 +162,9 @@ def _save_distributed(path, params, slots, counts, describe, complete, plan, ste
         commit_save(path, manifest, remove_previous=False)
     # Nobody returns (and perhaps loads) before the manifest is in place.
     _collective(path, "the barrier after the manifest", dist.barrier, group=group)
-    # The replaced checkpoint: each rank frees its own old files, rank 0 the rest once they are gone.
-    remove_previous_shards(path, rank, world_size)
-    _collective(path, "the barrier after removing the replaced checkpoint", dist.barrier, group=group)
-    if rank == 0:
-        remove_previous(path)
+    # The replaced checkpoint: each rank frees its own old files, rank 0 the rest, the last one
+    # out the directory; no barrier (the new checkpoint is in place, nobody waits on deletions).
+    remove_previous_part(path, rank, world_size)
     return manifest
 
 

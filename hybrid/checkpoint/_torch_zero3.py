@@ -158,7 +158,8 @@ def _optimizer_slices(ckpt: Checkpoint, reshard, model, optimizer, hyperparamete
     """The inner optimizer's new state (per master segment) and groups' hyperparameters."""
     names = model._names
     info, groups = saved_groups(ckpt, optimizer, {id(p): n for p, n in zip(model._params, names)}, hyperparameters)
-    slots = {slot: ckpt.slices(slot, reshard, model.rank) for slot in info.slots}
+    read = ckpt.slices_of(info.slots, reshard, [model.rank])  # every slot in one pass over the files
+    slots = {slot: read[slot, model.rank] for slot in info.slots}
     state: dict[torch.Tensor, dict[str, Any]] = {}
     for seg, master in zip(optimizer._segments, optimizer._masters):
         members = [names[s.tensor] for s in model.shards.member_slices(seg.bucket, model.rank)

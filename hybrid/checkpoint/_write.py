@@ -12,7 +12,7 @@ import numpy as np
 
 from hybrid.core import BucketPlan, FlatShardPlan, MemberSlice, TensorSpec, canonical_dtype, plan_buckets, shard_flat
 from hybrid.checkpoint._files import storage_dtype, write_shard
-from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous, remove_previous_shards
+from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous_part
 from hybrid.checkpoint._manifest import Manifest, OptimizerInfo
 
 
@@ -110,8 +110,7 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
                               range(world_size)))
         manifest = dataclasses.replace(body, files=tuple(files))
         commit_save(path, manifest, remove_previous=False)
-        remove_previous_shards(path, 0, 1, map=pool.map)
-    remove_previous(path)
+        remove_previous_part(path, 0, 1, map=pool.map)  # the old files in parallel threads
     return manifest
 
 

@@ -306,7 +306,8 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()
     if isinstance(params, ParamShards):
-        new_params = ParamShards(_flat_slices(ckpt, "params", params.layout.shards, params.buckets), params.layout)
+        new_params = ParamShards(_flat_slices(ckpt, {"params": params.buckets}, params.layout.shards)["params"],
+                                 params.layout)
     else:
         whole = ckpt.tensors("params")
         old_leaves = layout.spec_arrays(params)
@@ -353,13 +354,16 @@ def _refuse_per_parameter_state(ckpt: Checkpoint, info: OptimizerInfo) -> None:
             f"every parameter has stepped alike")
 
 
-def _flat_slices(ckpt: Checkpoint, kind: str, shards, old: tuple) -> tuple:
-    """Every device's slices of ``kind`` for the flat plan ``shards``: each bucket's global padded
-    array, placed as ``old[b]`` is (resharded from the saved world size). Each process reads only
-    the slices of the ranks its own devices hold: no communication under ``jax.distributed``."""
+def _flat_slices(ckpt: Checkpoint, kinds: dict[str, tuple], shards) -> dict[str, tuple]:
+    """``{kind: buckets}``: every device's slices of each kind for the flat plan ``shards``, each
+    bucket's global padded array placed as ``kinds[kind][b]`` is (resharded from the saved world
+    size). Each process reads only the slices of the ranks its own devices hold (no communication
+    under ``jax.distributed``), every kind and file in one pass, the files in parallel."""
     plan, n = ckpt.reshard_to(shards), shards.world_size
-    per_rank = {r: ckpt.slices(kind, plan, r) for r in sorted(_ranks_here(old[0], n))}
-    return tuple(_from_slices(o, n, {r: v[b] for r, v in per_rank.items()}) for b, o in enumerate(old))
+    ranks = sorted(_ranks_here(next(iter(kinds.values()))[0], n))
+    read = ckpt.slices_of(list(kinds), plan, ranks)
+    return {kind: tuple(_from_slices(o, n, {r: read[kind, r][b] for r in ranks}) for b, o in enumerate(old))
+            for kind, old in kinds.items()}
 
 
 def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
@@ -382,8 +386,7 @@ def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
     else:
         n = _world_of(getattr(node, slots[0])[0])
         _check_zero(zero, layout, n)
-        for s in slots:
-            values[s] = _flat_slices(ckpt, s, shard_flat(layout.plan, n), getattr(node, s))
+        values = _flat_slices(ckpt, {s: getattr(node, s) for s in slots}, shard_flat(layout.plan, n))
 
     def replace(x):
         if x is node:

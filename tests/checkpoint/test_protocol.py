@@ -168,3 +168,40 @@ def test_saving_through_a_link_writes_where_it_points(tmp_path):
     (tmp_path / "next").symlink_to("step-02000")
     save_arrays(tmp_path / "next", _params(8), step=8)
     assert (tmp_path / "next").is_symlink() and Checkpoint(tmp_path / "step-02000").manifest.step == 8
+
+
+def _committed_with_previous(tmp_path, monkeypatch, *, old_files, world_size):
+    """Step 1 committed over step 0 (``old_files`` files) with step 9 not yet run: ``(PATH, .previous)``."""
+    path = tmp_path / "ckpt"
+    save_arrays(path, _params(0), world_size=old_files, step=0)
+    with monkeypatch.context() as m:
+        m.setattr(write_module, "remove_previous_part", lambda *a, **k: None)
+        save_arrays(path, _params(1), world_size=world_size, step=1)
+    prev = tmp_path / ".ckpt.previous"
+    assert len(list(prev.glob("rank-*"))) == old_files
+    return path, prev
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0), (2, 0, 1)])
+def test_the_replaced_checkpoint_goes_with_whichever_rank_finishes_last(tmp_path, order, monkeypatch):
+    """Step 9 has no barrier: each rank removes its part of ``.previous`` (3 old files, the
+    ranks of ``order``), and whichever finishes last removes the directory, in any order."""
+    path, prev = _committed_with_previous(tmp_path, monkeypatch, old_files=3, world_size=len(order))
+    for i, rank in enumerate(order):
+        assert prev.exists()
+        protocol.remove_previous_part(path, rank, len(order))
+        assert Checkpoint(path).manifest.step == 1
+    assert not prev.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_rank_that_saves_again_before_a_straggler_removed_its_files(tmp_path, monkeypatch):
+    """Rank 0 returns and begins the next save (clearing ``.previous``) while rank 1 has not yet
+    removed its old file: neither trips over the other, and the next save commits."""
+    path, prev = _committed_with_previous(tmp_path, monkeypatch, old_files=2, world_size=2)
+    protocol.remove_previous_part(path, 0, 2)
+    protocol.begin_save(path)  # rank 0's next save removes rank 1's leftover for it
+    protocol.remove_previous_part(path, 1, 2)  # the straggler finds nothing to remove
+    assert not prev.exists()
+    save_arrays(path, _params(2), world_size=2, step=2)
+    assert Checkpoint(path).manifest.step == 2
