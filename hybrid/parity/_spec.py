@@ -28,7 +28,7 @@ class OptimizerSpec:
         (``torch.optim.AdamW``: decoupled weight decay, optax's ``adamw``).
       lr, weight_decay: both sides'; ``betas``, ``eps`` for adam/adamw, ``momentum`` for sgd.
 
-    The optax side is :func:`hybrid.checkpoint._optax_groups.optax_from_param_groups` of
+    The optax side is :func:`hybrid.checkpoint.jax._optax_groups.optax_from_param_groups` of
     :meth:`torch_group`, the transform that continues a torch checkpoint of this optimizer.
 
     >>> OptimizerSpec("adamw", lr=1e-3, weight_decay=0.1).torch_group()
@@ -73,7 +73,7 @@ class OptimizerSpec:
 
     def optax(self, params):
         """The optax transform that computes what :meth:`torch_class` computes."""
-        from hybrid.checkpoint._optax_groups import optax_from_param_groups
+        from hybrid.checkpoint.jax._optax_groups import optax_from_param_groups
         return optax_from_param_groups(self.name, [self.torch_group()], params, where="OptimizerSpec")
 
     @property

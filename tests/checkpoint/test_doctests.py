@@ -6,8 +6,9 @@ import importlib
 import pytest
 
 MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._shard_file", "hybrid.checkpoint._write", "hybrid.checkpoint._manifest",
-           "hybrid.checkpoint._torch_save", "hybrid.checkpoint._torch_load", "hybrid.checkpoint.jax",
-           "hybrid.checkpoint._optax_groups"]
+           "hybrid.checkpoint.torch._save", "hybrid.checkpoint.torch._load", "hybrid.checkpoint.jax._save",
+           "hybrid.checkpoint.jax._load",
+           "hybrid.checkpoint.jax._optax_groups"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybrid.checkpoint._files import Checkpoint, write_shard
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._protocol import begin_save, commit_save
-from hybrid.checkpoint._torch_state import (
+from hybrid.checkpoint.torch._state import (
     _NAME_OF_CLASS, SLOT_OF_TORCH_KEY, TORCH_KEY_OF_SLOT, _hyperparameters, _inner, expected_slots, named_buffers,
     optimizer_info)
 from hybrid.checkpoint._write import buffer_entries, dtypes_of
@@ -118,7 +118,7 @@ def load_zero3(path: str | os.PathLike, model, optimizer, *, scheduler, hyperpar
     """:func:`hybrid.checkpoint.torch.load` into a ZeRO3 model (and its ZeRO3Optimizer): each rank
     reads the elements of its own slices, from any saved plan and world size. Every check runs
     before anything changes."""
-    from hybrid.checkpoint._torch_load import saved_groups  # _torch_load dispatches here: imported late
+    from hybrid.checkpoint.torch._load import saved_groups  # _load dispatches here: imported late
 
     ckpt = Checkpoint(path)
     ckpt.check_model(model.bucket_plan.specs, what="ZeRO3")

@@ -15,7 +15,7 @@ from torch import nn
 
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
-from hybrid.checkpoint._torch_state import (
+from hybrid.checkpoint.torch._state import (
     TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap, expected_slots,
     kept_states, named_buffers, named_parameters, param_names_by_group)
 
@@ -118,7 +118,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
         raise ValueError(f"load: hyperparameters={hyperparameters!r}; expected 'checkpoint' (restore the saved "
                          f"ones, as torch does) or 'optimizer' (keep the optimizer's own)")
     if _is_zero3(module):  # each rank reads the elements of its own slices
-        from hybrid.checkpoint._torch_zero3 import load_zero3
+        from hybrid.checkpoint.torch._zero3 import load_zero3
         return load_zero3(path, module, optimizer, scheduler=scheduler, hyperparameters=hyperparameters,
                           buffers=buffers)
     ckpt = Checkpoint(path)

@@ -21,8 +21,8 @@ from hybrid.checkpoint._files import storage_dtype, write_shard
 from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous_part
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
-from hybrid.checkpoint._torch_zero3 import save_zero3
-from hybrid.checkpoint._torch_state import (
+from hybrid.checkpoint.torch._zero3 import save_zero3
+from hybrid.checkpoint.torch._state import (
     _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3, _local_states, _numpy,
     _slots_and_count, _specs, expected_slots, named_buffers, named_parameters, optimizer_info)
 

@@ -7,7 +7,7 @@ writes the manifest last; loading reads the slices it needs at any saved world s
 what torch's own ``load_state_dict`` calls restore.
 """
 
-from hybrid.checkpoint._torch_load import load, state_dicts
-from hybrid.checkpoint._torch_save import save, save_state_dicts
+from hybrid.checkpoint.torch._load import load, state_dicts
+from hybrid.checkpoint.torch._save import save, save_state_dicts
 
 __all__ = ["load", "save", "save_state_dicts", "state_dicts"]

@@ -1,0 +1,178 @@
+"""Loading a checkpoint (either frontend's, any world size) into JAX params and optax state, placed
+as the given arrays are; under ``jax.distributed`` each process reads only its devices' slices."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
+from hybrid.jax import ParamShards, ZeroState
+from hybrid.jax._specs import _Layout, _leaves
+from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
+from hybrid.checkpoint.jax._mapped import TorchView
+from hybrid.checkpoint.jax._tree import _SLOTS, _caps, _check_zero, _layout, _map_nodes, _rank, _slot_node, _world_of
+
+
+def _as_dtype(value: np.ndarray, old) -> np.ndarray:
+    """``value`` (stored dtype: bfloat16 as its bits) in ``old``'s dtype."""
+    value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
+    return value.astype(old.dtype, copy=False)
+
+
+def _like(value: np.ndarray, old):
+    """``value`` (stored dtype, the whole array) as an array of ``old``'s dtype, placed as ``old`` is."""
+    value = _as_dtype(value, old).reshape(old.shape)
+    if isinstance(old, jax.Array) and old.committed:
+        if old.is_fully_addressable:
+            return jax.device_put(value, old.sharding)
+        # Other processes hold the rest of the mesh: this one places what its devices hold.
+        return jax.make_array_from_callback(old.shape, old.sharding, lambda index: value[index])
+    return jnp.asarray(value)  # uncommitted, as the given array was: jit places it
+
+
+def _ranks_here(flat, n: int) -> set[int]:
+    """The ranks whose slice of a zero flat bucket this process's devices hold."""
+    return {_rank(index, flat, n) for index in flat.sharding.addressable_devices_indices_map(flat.shape).values()}
+
+
+def _from_slices(old, n: int, slices: dict[int, np.ndarray]):
+    """A zero flat bucket placed as ``old``, each device given its rank's slice (``slices[rank]``)."""
+    def data(index):
+        return _as_dtype(slices[_rank(index, old, n)], old)
+
+    return jax.make_array_from_callback(old.shape, old.sharding, data)
+
+
+def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
+         mapping=None, ready_order=None, pairing=None):
+    """Load a checkpoint (from either frontend, any world size) into the layout of ``params`` and
+    ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
+
+    ``params`` and ``opt_state`` give the structure, shardings and (for a zero state) the world
+    size to load into: pass what ``init`` made (at stage 3, the global ``ParamShards``). Every file is verified and every tensor matched by
+    name, shape and dtype before anything is built; a bad checkpoint raises
+    :class:`~hybrid.checkpoint.CheckpointError` naming the file. With ``opt_state=None`` only the
+    parameters are loaded. Under ``jax.distributed`` every process calls it (no communication):
+    each builds the global arrays from the zero slices of its own devices, read alone.
+
+    With ``mapping`` (a ``hybrid.core.ParamMapping`` or ``ParamPairing``) the checkpoint holds
+    torch's names and layouts (a torch save, or a JAX save with the same mapping): each tensor is
+    placed through the mapping, and one the mapping cannot place is a ``MappingError`` naming it.
+    ``order``, the bucket caps, ``ready_order`` and ``pairing`` are what ``hybrid.jax.zero`` was
+    given (a state planned with ``pairing`` holds torch's names and layouts: it reads a torch
+    checkpoint as it is, without ``mapping``).
+
+    >>> import jax.numpy as jnp, optax, tempfile, os
+    >>> from hybrid.checkpoint.jax import save
+    >>> params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt"); _ = save(d, params, step=3, world_size=2)
+    >>> loaded, _, step = load(d, {"w": jnp.zeros((2, 3))})
+    >>> step, loaded["w"].tolist()
+    (3, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    """
+    caps = _caps(bucket_cap_bytes, first_bucket_cap_bytes, pairing, mapping)
+    if mapping is not None:
+        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order, path=path,
+                            host=False)
+        loaded_params, loaded_state, step = load(path, view.params, view.state, order=view.order, **caps)
+        return (*view.back(params, opt_state, loaded_params, loaded_state), step)
+    layout = _layout(params, order, caps, ready_order, pairing)
+    ckpt = Checkpoint(path)
+    ckpt.check_model(layout.plan.specs, what="params")
+    ckpt.verify()
+    if isinstance(params, ParamShards):
+        new_params = ParamShards(_flat_slices(ckpt, {"params": params.buckets}, params.layout.shards)["params"],
+                                 params.layout)
+    else:
+        whole = ckpt.tensors("params")
+        old_leaves = layout.spec_arrays(params)
+        new_params = layout.unflatten({i: _like(whole[s.name], old)
+                                       for i, (s, old) in enumerate(zip(layout.plan.specs, old_leaves))})
+    if opt_state is None:
+        return new_params, None, ckpt.manifest.step
+    return new_params, _load_state(ckpt, layout, opt_state), ckpt.manifest.step
+
+
+def load_buffers(path: str | os.PathLike, buffers):
+    """The checkpoint's buffers (torch's persistent buffers, or what JAX saved with ``buffers=``)
+    in the structure, dtypes and placement of ``buffers`` (e.g. flax's ``batch_stats``), matched by
+    key-path name; a missing, extra or mis-shaped buffer raises CheckpointError naming it.
+
+    >>> import jax.numpy as jnp, tempfile, os
+    >>> from hybrid.checkpoint.jax import save
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = save(d, {"w": jnp.ones(2)}, step=1, buffers={"bn": {"mean": jnp.full(3, 0.5)}})
+    >>> load_buffers(d, {"bn": {"mean": jnp.zeros(3)}})["bn"]["mean"].tolist()
+    [0.5, 0.5, 0.5]
+    """
+    ckpt = Checkpoint(path)
+    names, leaves, treedef = _leaves(buffers)
+    ckpt.check_buffers({n: tuple(np.shape(x)) for n, x in zip(names, leaves)}, what="buffers")
+    saved = ckpt.buffers()
+    return jax.tree_util.tree_unflatten(treedef, [_like(saved[n], x) for n, x in zip(names, leaves)])
+
+
+def _refuse_per_parameter_state(ckpt: Checkpoint, info: OptimizerInfo) -> None:
+    """optax holds one count and every slot for every leaf: a torch state that does not is refused."""
+    partial = [n for n in info.without_state if len(info.without_state) < len(ckpt.manifest.plan.specs)]
+    if partial or info.counts or info.slot_params:
+        raise CheckpointError(
+            f"{ckpt.path}: torch's optimizer state is per parameter here (no state yet: {partial}; step counts "
+            f"that differ: {info.counts}; slots held by some parameters only: {sorted(info.slot_params)}), and an "
+            f"optax state holds one count and every slot for every leaf: resume it in torch, or save it once "
+            f"every parameter has stepped alike")
+
+
+def _flat_slices(ckpt: Checkpoint, kinds: dict[str, tuple], shards) -> dict[str, tuple]:
+    """``{kind: buckets}``: every device's slices of each kind for the flat plan ``shards``, each
+    bucket's global padded array placed as ``kinds[kind][b]`` is (resharded from the saved world
+    size). Each process reads only the slices of the ranks its own devices hold (no communication
+    under ``jax.distributed``), every kind and file in one pass, the files in parallel."""
+    plan, n = ckpt.reshard_to(shards), shards.world_size
+    ranks = sorted(_ranks_here(next(iter(kinds.values()))[0], n))
+    read = ckpt.slices_of(list(kinds), plan, ranks)
+    return {kind: tuple(_from_slices(o, n, {r: read[kind, r][b] for r in ranks}) for b, o in enumerate(old))
+            for kind, old in kinds.items()}
+
+
+def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
+    info = ckpt.manifest.optimizer
+    if info is None:
+        raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")
+    _refuse_per_parameter_state(ckpt, info)
+    node, zero = _slot_node(opt_state)
+    slots = _SLOTS[type(node)]
+    if set(info.slots) != set(slots):
+        raise CheckpointError(f"{ckpt.path}: holds {info.name} state {list(info.slots)}, but the optax state "
+                              f"({type(node).__name__}) keeps {list(slots)}")
+    values: dict[str, Any] = {}
+    if zero is None:
+        for s in slots:
+            whole = ckpt.tensors(s)
+            old = layout.spec_arrays(getattr(node, s))
+            values[s] = layout.unflatten({i: _like(whole[spec.name], o)
+                                          for i, (spec, o) in enumerate(zip(layout.plan.specs, old))})
+    else:
+        n = _world_of(getattr(node, slots[0])[0])
+        _check_zero(zero, layout, n)
+        values = _flat_slices(ckpt, {s: getattr(node, s) for s in slots}, shard_flat(layout.plan, n))
+
+    def replace(x):
+        if x is node:
+            fields = {**values, **({"count": _like(np.asarray(info.count), x.count)} if "count" in x._fields else {})}
+            return x._replace(**fields)
+        if isinstance(x, optax.ScaleByScheduleState):
+            return x._replace(count=_like(np.asarray(info.count), x.count))
+        if isinstance(x, ZeroState):
+            return ZeroState(_map_nodes(x.inner, replace), x.plan_fingerprint)
+        return x
+
+    return _map_nodes(opt_state, replace)
