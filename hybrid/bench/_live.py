@@ -1,7 +1,7 @@
 """Live tensor bytes of a torch process, counted by the CPU allocator itself (torch keeps no CPU
 allocator statistics): the bytes held by tensors allocated since :func:`install`, and their peak.
 
-A ~40-line C++ allocator wraps torch's CPU allocator and counts every allocation and free on
+A ~60-line C++ allocator wraps torch's CPU allocator and counts every allocation and free on
 every thread. Threads matter: a collective's Work keeps its tensors, and the backend's thread
 often drops them last, which the profiler's memory events (recorded per thread) never see, so
 they would count those tensors as live forever. The library is built with the system C++
@@ -23,30 +23,48 @@ _SOURCE = r"""
 #include <c10/core/CPUAllocator.h>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
 namespace {
 std::atomic<int64_t> live{0}, peak{0};
 c10::Allocator* base = nullptr;
 
+// Each live block by its address: the DataPtr torch's own allocator gave (which frees it) and its
+// size. The DataPtrs handed out carry the address as their context too, as torch's CPU allocator
+// does, so raw_allocate / raw_deallocate (used inside some CPU kernels) work through this one.
 struct Block { c10::DataPtr inner; int64_t n; };
+std::mutex mutex;
+auto* blocks = new std::unordered_map<void*, Block>();  // never destroyed: frees may come at exit
 
 void release(void* p) {
-  auto* block = static_cast<Block*>(p);
-  live.fetch_sub(block->n);
-  delete block;  // frees the memory through torch's own allocator
-}
+  if (p == nullptr) return;
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = blocks->find(p);
+    if (it == blocks->end()) return;
+    block = std::move(it->second);
+    blocks->erase(it);
+  }
+  live.fetch_sub(block.n);
+}  // block.inner frees the memory through torch's own allocator here
 
 struct Counting final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base->allocate(n);
     void* data = inner.get();
-    auto* block = new Block{std::move(inner), static_cast<int64_t>(n)};
-    int64_t now = live.fetch_add(block->n) + block->n;
+    if (data == nullptr) return {nullptr, nullptr, &release, c10::Device(c10::DeviceType::CPU)};
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      (*blocks)[data] = Block{std::move(inner), static_cast<int64_t>(n)};
+    }
+    int64_t now = live.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t seen = peak.load();
     while (now > seen && !peak.compare_exchange_weak(seen, now)) {}
-    return {data, block, &release, c10::Device(c10::DeviceType::CPU)};
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
