@@ -102,7 +102,27 @@ def report_outcome(save) -> None:
     except Exception as e:  # noqa: BLE001 - what the survivors raise is the test's subject
         outcome = f"{type(e).__name__}: {e}"
     print(f"outcome after {time.monotonic() - t0:.2f} s: {outcome}", flush=True)
+    _wait_for_reports()
     os._exit(0)  # a peer may be dead: jax.distributed's shutdown barrier would wait for it
+
+
+def _wait_for_reports(deadline_s: float = 30.0) -> None:
+    """Process 0 hosts the coordination service, through which the others hear why a save failed:
+    leaving at once could cut off a process still reading that reason (JAX then terminates it
+    before it reports). So every other process says it has reported, and process 0 waits for
+    those expected to (all but one told to die), up to ``deadline_s``."""
+    from hybrid.checkpoint.jax._processes import _client
+
+    client = _client()
+    if jax.process_index() != 0:
+        client.key_value_set(f"test-reported/{jax.process_index()}", "1")
+        return
+    expected = {p for p in range(1, jax.process_count()) if p != JOB.get("die_at")}
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if expected <= {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get("test-reported/")}:
+            return
+        time.sleep(0.05)
 
 
 mismatch() if "mismatch" in JOB else die_while_saving() if "die_at" in JOB else train()

@@ -29,6 +29,8 @@ def _outcomes(procs) -> dict[int, tuple[float, str]]:
         m = re.search(r"^outcome after ([0-9.]+) s: (.*)$", out, re.M)
         if m:
             found[i] = (float(m.group(1)), m.group(2))
+        else:  # a process that did not report: its output says why (what the assertions then miss)
+            print(f"process {i} exited with {procs[i].returncode} without reporting:\n{out[-3000:]}")
     return found
 
 
@@ -54,6 +56,7 @@ def test_killed_process_leaves_previous_checkpoint(tmp_path):
 def test_processes_that_disagree_are_refused_at_once(tmp_path):
     path = tmp_path / "ckpt"
     outcomes = _outcomes(_start(2, 1, {"config": CONFIG, "path": str(path), "mismatch": True}))
+    assert sorted(outcomes) == [0, 1], "a process did not report (its output is printed above)"
     for i in (0, 1):
         seconds, outcome = outcomes[i]
         assert "process 1 wrote its files for another manifest than process 0's" in outcome, outcome
