@@ -121,10 +121,8 @@ class FileSystem:
                 self.unlink(pathlib.Path(root, name))
             for name in dirs:
                 if not os.path.islink(os.path.join(root, name)):
-                    self.before("rmdir", pathlib.Path(root, name))
-                    pathlib.Path(root, name).rmdir()
-        self.before("rmdir", path)
-        path.rmdir()
+                    self.rmdir(pathlib.Path(root, name))
+        self.rmdir(path)  # a straggler's step 9 may have removed it once it was empty
 
 
 fs = FileSystem()
@@ -201,8 +199,8 @@ def remove_previous_part(path: str | os.PathLike, rank: int, world_size: int, *,
         names = sorted(os.listdir(prev))
     except FileNotFoundError:  # another rank removed it first
         return
-    owner = lambda name: (shard_file_rank(name) if shard_file_rank(name) is not None else 0) % world_size
-    list(map(fs.remove_tree, [prev / name for name in names if owner(name) == rank]))
+    owner = lambda file_rank: (file_rank or 0) % world_size  # not a shard file: rank 0's
+    list(map(fs.remove_tree, [prev / name for name in names if owner(shard_file_rank(name)) == rank]))
     fs.rmdir(prev)
 
 

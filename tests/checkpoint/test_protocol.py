@@ -205,3 +205,21 @@ def test_a_rank_that_saves_again_before_a_straggler_removed_its_files(tmp_path, 
     assert not prev.exists()
     save_arrays(path, _params(2), world_size=2, step=2)
     assert Checkpoint(path).manifest.step == 2
+
+
+def test_a_straggler_removing_the_emptied_directory_first(tmp_path, monkeypatch):
+    """Rank 0's next save empties ``.previous``, and the straggler's step 9 removes the emptied
+    directory right before rank 0 does: rank 0's save goes on."""
+    path, prev = _committed_with_previous(tmp_path, monkeypatch, old_files=2, world_size=2)
+
+    class StragglerFirst(protocol.FileSystem):
+        straggled = False
+
+        def before(self, op, p):
+            if op == "rmdir" and p == prev and not self.straggled:
+                self.straggled = True
+                protocol.remove_previous_part(path, 1, 2)  # the straggler: nothing left but the directory
+
+    monkeypatch.setattr(protocol, "fs", StragglerFirst())
+    save_arrays(path, _params(2), world_size=2, step=2)
+    assert Checkpoint(path).manifest.step == 2 and not prev.exists()
