@@ -49,6 +49,7 @@ def mlp(widths: tuple[int, ...]) -> nn.Module:
 
 def build(name: str, widths: tuple[int, ...]):
     """``(module to call, optimizer, ZeRO3 or None)`` for one variant, from the same init."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -67,10 +68,13 @@ def build(name: str, widths: tuple[int, ...]):
         zero3 = ZeRO3(model)
         return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3), zero3
     if name == "fsdp2":
+        # A CPU mesh, named: without one fully_shard takes the default device's type, and on a machine
+        # with a GPU it moves the model there while the other variants stay on the CPU.
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3), None
     raise ValueError(f"unknown variant {name!r}")
 

@@ -220,6 +220,7 @@ def mixed_precision(rank: int, world_size: int, *, reduce_dtype) -> None:
     (2^-8 relative), and Adam's first step (``lr * g / (|g| + eps)``, lr 0.01) by up to ~4e-5;
     later steps compound it through the bfloat16 forward.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
@@ -227,7 +228,7 @@ def mixed_precision(rank: int, world_size: int, *, reduce_dtype) -> None:
     model, ref = copy.deepcopy(base), copy.deepcopy(base)
     zero = ZeRO3(model, bucket_cap_mb=0.0001, mp_policy=policy)
     opt = ZeRO3Optimizer(zero, torch.optim.Adam, lr=0.01)
-    fully_shard(ref, mp_policy=policy)
+    fully_shard(ref, mesh=init_device_mesh("cpu", (world_size,)), mp_policy=policy)  # CPU even where a GPU is
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     tol = ({"rtol": 0, "atol": 0} if world_size <= 2 else
            {"rtol": 1e-5, "atol": 1e-6} if reduce_dtype == torch.float32 else {"rtol": 0, "atol": 5e-5})

@@ -33,6 +33,7 @@ def _measure(world, rank, port, out):
     import datetime
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from hybrid.bench import _live
@@ -53,10 +54,11 @@ def _measure(world, rank, port, out):
             net = torch.nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         elif name == "fsdp2":
+            mesh = init_device_mesh("cpu", (world,))  # named: on a machine with a GPU the default is CUDA
             for layer in model:
                 if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            net = fully_shard(model)
+                    fully_shard(layer, mesh=mesh)
+            net = fully_shard(model, mesh=mesh)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         else:
             net = ZeRO3(model)
