@@ -10,6 +10,8 @@ full training step (forward, backward, optimizer step, zero_grad) with Adam:
 - ``hybrid_zero1`` / ``hybrid_zero2``: hybrid DDP + ZeroRedundancyOptimizer / ZeRO2;
 - ``hybrid_zero3``: ``hybrid.torch.ZeRO3`` + ``ZeRO3Optimizer``, default plan
   (``hybrid.core.zero3_plan``), prefetch 1, parameters freed after the forward;
+- ``hybrid_zero3_layer``: the same with a bucket per layer (the cap set to the smallest layer's
+  weight), FSDP2's unit of gathering: the memory end of the cap, against FSDP2 at equal working sets;
 - ``fsdp2``: torch's ``fully_shard`` on every ``Linear`` and on the root, as torch recommends.
 
 Memory is counted by the CPU allocator (``hybrid.bench._live``), per variant right after it is
@@ -33,7 +35,7 @@ from torch import nn
 from hybrid._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
-VARIANTS = ("ddp_adam", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "fsdp2")
+VARIANTS = ("ddp_adam", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "hybrid_zero3_layer", "fsdp2")
 REFERENCE = "ddp_adam"
 ROUND = (*VARIANTS, REFERENCE + "'")  # rotated every repetition
 MODELS = {"mlp_8M": (1536, 2048, 1024, 1536, 768), "layers_100": (128,) * 101}
@@ -64,8 +66,11 @@ def build(name: str, widths: tuple[int, ...]):
     if name == "hybrid_zero2":
         ddp = DistributedDataParallel(model)
         return ddp, ZeRO2(ddp, torch.optim.Adam, lr=1e-3), None
-    if name == "hybrid_zero3":
-        zero3 = ZeRO3(model)
+    if name in ("hybrid_zero3", "hybrid_zero3_layer"):
+        # A bucket closes on the tensor that fills it, a layer's weight (the plan runs backwards):
+        # a cap of the smallest weight gives every layer its own bucket.
+        cap = min(m.weight.numel() * m.weight.element_size() for m in model if isinstance(m, nn.Linear)) / 2**20
+        zero3 = ZeRO3(model, bucket_cap_mb=cap if name == "hybrid_zero3_layer" else None)
         return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3), zero3
     if name == "fsdp2":
         # A CPU mesh, named: without one fully_shard takes the default device's type, and on a machine
@@ -138,7 +143,7 @@ def memory_report(results: dict) -> str:
         for name in VARIANTS:
             m = worst[name]
             extra = ""
-            if name == "hybrid_zero3":
+            if name.startswith("hybrid_zero3"):
                 z = ranks[0][model]["memory"][name]
                 extra = f"{z['buckets']} buckets, working set {human_bytes(z['working_set'])}"
             rows.append([model, world, name, human_bytes(m["held"]), f"{m['held'] / ref['held']:.3f}",
