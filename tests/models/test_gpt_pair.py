@@ -43,17 +43,24 @@ def _flax_like(model: FlaxGPT):
 
 @pytest.fixture(scope="module")
 def crossed():
-    """The torch model (seed 0) with its loss's gradients, and the flax tree made from its weights."""
+    """The torch model (seed 0) with its loss's gradients, and the flax tree made from its weights.
+
+    The module's tests run torch on one thread; the worker's thread count comes back after them, so
+    later test files in the same pytest process do not inherit it."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    config = GPTConfig()
-    torch.manual_seed(0)
-    model, flax_model = TorchGPT(config), FlaxGPT(config)
-    params = torch_to_jax(model, _flax_like(flax_model), GPT_MAPPING)
-    idx, targets = _batch(config)
-    logits, loss = model(torch.from_numpy(idx), torch.from_numpy(targets))
-    loss.backward()
-    return dict(config=config, model=model, flax_model=flax_model, params=params, idx=idx, targets=targets,
-                logits=logits.detach().numpy(), loss=loss.item())
+    try:
+        config = GPTConfig()
+        torch.manual_seed(0)
+        model, flax_model = TorchGPT(config), FlaxGPT(config)
+        params = torch_to_jax(model, _flax_like(flax_model), GPT_MAPPING)
+        idx, targets = _batch(config)
+        logits, loss = model(torch.from_numpy(idx), torch.from_numpy(targets))
+        loss.backward()
+        yield dict(config=config, model=model, flax_model=flax_model, params=params, idx=idx, targets=targets,
+                   logits=logits.detach().numpy(), loss=loss.item())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_default_pair_is_about_a_million_parameters_counted_alike(crossed):
