@@ -30,7 +30,8 @@ def projection(workloads: dict[str, list[TensorSpec]], *, tokens: int, mfu: floa
                      "launches": sum(c.launches for c in copies), "bytes_moved": sum(c.bytes_moved for c in copies),
                      "seconds": seconds, "fraction_of_gpt2_step": seconds / step})
     return {"device": device.name, "hbm_bytes_per_s": device.hbm_bytes_per_s,
-            "copy_efficiency": device.copy_efficiency, "launch_s": device.launch_s, "gpt2_step": {"tokens": tokens, "mfu": mfu, "seconds": step}, "rows": rows}
+            "copy_efficiency": device.copy_efficiency, "launch_s": device.launch_s,
+            "gpt2_step": {"tokens": tokens, "mfu": mfu, "seconds": step}, "rows": rows}
 
 
 def print_projection(report: dict) -> None:

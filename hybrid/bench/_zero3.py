@@ -67,10 +67,12 @@ def build(name: str, widths: tuple[int, ...]):
         ddp = DistributedDataParallel(model)
         return ddp, ZeRO2(ddp, torch.optim.Adam, lr=1e-3), None
     if name in ("hybrid_zero3", "hybrid_zero3_layer"):
-        # A bucket closes on the tensor that fills it, a layer's weight (the plan runs backwards):
-        # a cap of the smallest weight gives every layer its own bucket.
-        cap = min(m.weight.numel() * m.weight.element_size() for m in model if isinstance(m, nn.Linear)) / 2**20
-        zero3 = ZeRO3(model, bucket_cap_mb=cap if name == "hybrid_zero3_layer" else None)
+        cap = None  # the default plan
+        if name == "hybrid_zero3_layer":
+            # A bucket closes on the tensor that fills it, a layer's weight (the plan runs
+            # backwards): a cap of the smallest weight gives every layer its own bucket.
+            cap = min(m.weight.nbytes for m in model if isinstance(m, nn.Linear)) / 2**20
+        zero3 = ZeRO3(model, bucket_cap_mb=cap)
         return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3), zero3
     if name == "fsdp2":
         # A CPU mesh, named: without one fully_shard takes the default device's type, and on a machine

@@ -199,14 +199,10 @@ def remove_previous_part(path: str | os.PathLike, rank: int, world_size: int, *,
         names = sorted(os.listdir(prev))
     except FileNotFoundError:  # another rank removed it first
         return
-    owner = lambda file_rank: (file_rank or 0) % world_size  # not a shard file: rank 0's
-    list(map(fs.remove_tree, [prev / name for name in names if owner(shard_file_rank(name)) == rank]))
+    # A shard file is its rank's (modulo world_size); the manifest and anything else, rank 0's.
+    mine = [prev / name for name in names if (shard_file_rank(name) or 0) % world_size == rank]
+    list(map(fs.remove_tree, mine))
     fs.rmdir(prev)
-
-
-def remove_previous(path: str | os.PathLike) -> None:
-    """Step 9: remove the replaced checkpoint (what is left of it)."""
-    fs.remove_tree(previous(path))
 
 
 def find(path: str | os.PathLike) -> pathlib.Path:

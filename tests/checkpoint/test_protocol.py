@@ -187,7 +187,7 @@ def test_the_replaced_checkpoint_goes_with_whichever_rank_finishes_last(tmp_path
     """Step 9 has no barrier: each rank removes its part of ``.previous`` (3 old files, the
     ranks of ``order``), and whichever finishes last removes the directory, in any order."""
     path, prev = _committed_with_previous(tmp_path, monkeypatch, old_files=3, world_size=len(order))
-    for i, rank in enumerate(order):
+    for rank in order:
         assert prev.exists()
         protocol.remove_previous_part(path, rank, len(order))
         assert Checkpoint(path).manifest.step == 1

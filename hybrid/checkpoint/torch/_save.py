@@ -7,7 +7,6 @@ writes the manifest last.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -17,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.core import BucketPlan, plan_buckets, rebuild_plan, shard_flat
-from hybrid.checkpoint._files import storage_dtype, write_shard
-from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous_part
+from hybrid.checkpoint._files import storage_dtype
+from hybrid.checkpoint._protocol import begin_save
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
+from hybrid.checkpoint.torch._commit import named_collective, write_and_commit
 from hybrid.checkpoint.torch._zero3 import save_zero3
 from hybrid.checkpoint.torch._state import (
     _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3, _local_states, _numpy,
@@ -109,16 +109,6 @@ def _run_state(scheduler, state) -> dict:
     return out
 
 
-def _collective(path, what: str, fn, *args, **kwargs):
-    """Run a collective of a save; a peer that died or stalled becomes an error naming the save."""
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as e:
-        raise RuntimeError(f"saving checkpoint {path}: rank {dist.get_rank()} failed in {what} (a peer died, "
-                           f"stalled past the process group's timeout, or left); the previous checkpoint at "
-                           f"this path is untouched. Cause: {e}") from e
-
-
 def _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, group, extras):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if rank == 0:
@@ -127,7 +117,7 @@ def _save_distributed(path, params, slots, counts, describe, complete, plan, ste
     # parameter's step count and which slots it holds, wherever its state lives.
     mine = (counts, {s: sorted(v) for s, v in slots.items()})
     everyone: list = [None] * world_size
-    _collective(path, "the all_gather_object of step counts", dist.all_gather_object, everyone, mine, group=group)
+    named_collective(path, "the all_gather_object of step counts", dist.all_gather_object, everyone, mine, group=group)
     all_counts, holders = {}, {}
     for r, (their_counts, their_slots) in enumerate(everyone):
         for name, c in their_counts.items():
@@ -152,20 +142,8 @@ def _save_distributed(path, params, slots, counts, describe, complete, plan, ste
     # Every rank builds the same manifest body (the file list aside): its digest goes in each file.
     body = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, kinds),
                     (), dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])
-    entry = write_shard(path, rank, world_size, {**tensors, **buffer_tensors} if rank == 0 else tensors,
-                        body_digest=body.body_digest())
-    entries: list = [None] * world_size
-    _collective(path, "the all_gather_object of file checksums", dist.all_gather_object, entries, entry, group=group)
-    manifest = None
-    if rank == 0:
-        manifest = dataclasses.replace(body, files=tuple(entries))
-        commit_save(path, manifest, remove_previous=False)
-    # Nobody returns (and perhaps loads) before the manifest is in place.
-    _collective(path, "the barrier after the manifest", dist.barrier, group=group)
-    # The replaced checkpoint: each rank frees its own old files, rank 0 the rest, the last one
-    # out the directory; no barrier (the new checkpoint is in place, nobody waits on deletions).
-    remove_previous_part(path, rank, world_size)
-    return manifest
+    return write_and_commit(path, body, {**tensors, **buffer_tensors} if rank == 0 else tensors, rank, world_size,
+                            group)
 
 
 def _owner_ordered(plan: BucketPlan, owners: dict[str, dict[str, int]]) -> BucketPlan:
@@ -229,7 +207,7 @@ def _exchange_slots(path, plan, group, slots, owners) -> dict[str, list[np.ndarr
                 n = (m.stop - m.start) * dtypes[b].itemsize
                 received[slot, b, m.tensor] = into[at:at + n].view(dtypes[b])
     for w in works:
-        _collective(path, "the exchange of optimizer state between ranks", w.wait)
+        named_collective(path, "the exchange of optimizer state between ranks", w.wait)
 
     def piece(slot, b, m):
         owner = owners[slot].get(names[m.tensor])

@@ -10,7 +10,6 @@ and the save protocol's own.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -18,9 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybrid.checkpoint._files import Checkpoint, write_shard
+from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
-from hybrid.checkpoint._protocol import begin_save, commit_save
+from hybrid.checkpoint._protocol import begin_save
+from hybrid.checkpoint.torch._commit import named_collective, write_and_commit
 from hybrid.checkpoint.torch._state import (
     _NAME_OF_CLASS, SLOT_OF_TORCH_KEY, TORCH_KEY_OF_SLOT, _hyperparameters, _inner, expected_slots, named_buffers,
     optimizer_info)
@@ -99,19 +99,11 @@ def save_zero3(path: str | os.PathLike, model, optimizer, *, step: int, extras: 
     # The save protocol of hybrid.checkpoint.torch.save's distributed path, with this rank's slices.
     if rank == 0:
         begin_save(path)
-    dist.barrier(group=group)
+    named_collective(path, "the barrier after the staging directory", dist.barrier, group=group)
     body = Manifest("torch", world_size, 3, int(step), plan, info, dtypes_of(plan, kinds), (),
                     dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])
-    entry = write_shard(path, rank, world_size, {**tensors, **buffer_tensors} if rank == 0 else tensors,
-                        body_digest=body.body_digest())
-    entries: list = [None] * world_size
-    dist.all_gather_object(entries, entry, group=group)
-    manifest = None
-    if rank == 0:
-        manifest = dataclasses.replace(body, files=tuple(entries))
-        commit_save(path, manifest)
-    dist.barrier(group=group)  # nobody returns (and perhaps loads) before the manifest is in place
-    return manifest
+    return write_and_commit(path, body, {**tensors, **buffer_tensors} if rank == 0 else tensors, rank, world_size,
+                            group)
 
 
 def load_zero3(path: str | os.PathLike, model, optimizer, *, scheduler, hyperparameters: str, buffers: bool) -> int:
