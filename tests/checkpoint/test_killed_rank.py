@@ -1,5 +1,7 @@
 """A rank killed in the middle of writing its file: the others raise within seconds (no hang) and
-the previous checkpoint stays intact and loadable."""
+the previous checkpoint stays intact and loadable. Both distributed torch saves, on the demo's
+model: DDP with ZeroRedundancyOptimizer (stage 1), and ZeRO3 with ZeRO3Optimizer (stage 3,
+buckets capped at 4 KiB: each rank writes only its shards of them)."""
 
 import datetime
 import multiprocessing as mp
@@ -16,22 +18,29 @@ from tests.torch_zero._harness import free_port
 TIMEOUT_S = 5
 
 
-def _worker(rank, port, path, out):
+def _build(stage):
+    """The demo's model and optimizer at ZeRO ``stage``, and ``train(start, stop)``, which runs those steps."""
+    from hybrid.demo import TrainConfig, build_torch, train_torch_steps
+
+    config = TrainConfig(num_steps=4, stage=stage, bucket_cap_bytes=None if stage == 1 else 4096)
+    net, opt = build_torch(config)
+    return net, opt, lambda start, stop: train_torch_steps(net, opt, config, start, stop)
+
+
+def _worker(stage, rank, port, path, out):
     import torch
     import torch.distributed as dist
 
     import hybrid.checkpoint._protocol as protocol
     from hybrid.checkpoint import torch as ckpt_torch
-    from hybrid.demo import TrainConfig, build_torch, train_torch_steps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    config = TrainConfig(num_steps=4)
-    ddp, opt = build_torch(config)
-    train_torch_steps(ddp, opt, config, 0, 2)
+    ddp, opt, train = _build(stage)
+    train(0, 2)
     ckpt_torch.save(path, ddp, opt, step=2)
-    train_torch_steps(ddp, opt, config, 2, 4)
+    train(2, 4)
     if rank == 1:
         class HalfThenDie(protocol.FileSystem):
             def before(self, op, path):
@@ -47,12 +56,13 @@ def _worker(rank, port, path, out):
         out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
 
 
-def test_killed_rank_leaves_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_killed_rank_leaves_previous_checkpoint(tmp_path, stage):
     path = str(tmp_path / "ckpt")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, path, out), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(stage, r, port, path, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -71,5 +81,5 @@ def test_killed_rank_leaves_previous_checkpoint(tmp_path):
     assert seconds < 2 * TIMEOUT_S, f"the survivor took {seconds:.1f} s to raise: {outcome}"
     ckpt = Checkpoint(path)
     ckpt.verify()
-    assert ckpt.manifest.step == 2
+    assert ckpt.manifest.step == 2 and ckpt.manifest.stage == stage
     assert pathlib.Path(path, "manifest.json").exists()
