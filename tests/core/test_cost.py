@@ -139,3 +139,52 @@ def test_gaps_are_what_the_trains_measured_above_or_below_the_isolated_time():
                         trains=[("all_reduce", 1 << 12, 8, 1e-3 + 7 * 1e-5), ("all_reduce", 1 << 20, 2, 4e-3)],
                         world_size=2)
     assert low.gap("all_reduce", 1 << 12) == pytest.approx((1e-3 + 7e-5) / 8 / 2)
+
+
+def test_a_big_collective_behind_a_small_one_costs_what_the_mixed_trains_measured():
+    # Alone: 4 KiB 1 ms, 1 MiB 4 ms, 16 MiB 16 ms. Same-size trains overlap half of each big one
+    # (gap 2 and 8 ms); behind a 4 KiB one (gap 1 ms) a big one adds 3 and 14 ms: the 3-rank gloo
+    # train of docs/core.md in kind (gaps 12.5 ms, measured 15.7, alone 16.1).
+    alone = {1 << 12: 1e-3, 1 << 20: 4e-3, 1 << 24: 16e-3}
+    gap = {1 << 12: 1e-3, 1 << 20: 2e-3, 1 << 24: 8e-3}
+    after_small = {1 << 20: 3e-3, 1 << 24: 14e-3}
+    model = CostModel.fit([("all_reduce", n, t) for n, t in alone.items()],
+                          trains=[("all_reduce", n, 4, t + 3 * gap[n]) for n, t in alone.items()],
+                          mixed=[("all_reduce", n, 4, alone[n] + 3 * (a + gap[1 << 12])) for n, a in after_small.items()],
+                          world_size=3)
+    assert model.gap_after_small("all_reduce", 1 << 24) == pytest.approx(14e-3)
+    assert model.gap_after_small("all_reduce", 1 << 12) == pytest.approx(1e-3)  # no mixed train: its gap
+    # between measured sizes, interpolated, and never below the gap
+    assert model.gap("all_reduce", 8 << 20) < model.gap_after_small("all_reduce", 8 << 20) < model.seconds(
+        "all_reduce", 8 << 20)
+
+    def task(n):
+        return (0.0, model.seconds("all_reduce", n), *model.train_gaps("all_reduce", n))
+
+    big, tiny = 1 << 24, 1 << 12
+    assert model.train_gaps("all_reduce", big) == pytest.approx((8e-3, 14e-3, 1e-3))
+    assert stream_ends([task(big)] * 4)[-1] == pytest.approx(16e-3 + 3 * 8e-3)  # same size: the gaps
+    # the mixed trains it was fitted on come back
+    assert stream_ends([task(big), task(tiny)] * 3 + [task(big)])[-1] == pytest.approx(16e-3 + 3 * (1e-3 + 14e-3))
+    assert stream_ends([task(1 << 20), task(tiny)] * 3 + [task(1 << 20)])[-1] == pytest.approx(4e-3 + 3 * (1e-3 + 3e-3))
+    # behind a 1 MiB one (4 ms: 3 ms more than the small one), 3 ms more of it hidden than behind a small one
+    assert stream_ends([task(big), task(1 << 20), task(big)])[-1] == pytest.approx(16e-3 + 2e-3 + 14e-3 - 3e-3)
+    # behind one as long as the gap's overlap (6 ms beyond the small one's), the same-size gap
+    assert stream_ends([task(big), (0.0, 7e-3, 7e-3), task(big)])[-1] == pytest.approx(16e-3 + 7e-3 + 8e-3)
+    # the JSON keeps them; a model saved before mixed trains existed reads back without them
+    assert CostModel.from_json(model.to_json()) == model
+    old = model.to_json()
+    for fit in old["fits"].values():
+        del fit["after_small"]
+    assert CostModel.from_json(old).gap_after_small("all_reduce", big) == pytest.approx(8e-3)
+
+
+def test_mixed_trains_need_their_sizes_and_same_size_trains():
+    samples = [("all_reduce", n, 1e-3) for n in (1 << 12, 1 << 20)]
+    trains = [("all_reduce", n, 4, 4e-3) for n in (1 << 12, 1 << 20)]
+    with pytest.raises(ValueError, match="not measured alone"):
+        CostModel.fit(samples, trains=trains, mixed=[("all_reduce", 1 << 22, 4, 1e-2)], world_size=2)
+    with pytest.raises(ValueError, match="same-size trains too"):
+        CostModel.fit(samples, mixed=[("all_reduce", 1 << 20, 4, 1e-2)], world_size=2)
+    with pytest.raises(ValueError, match="at least 2"):
+        CostModel.fit(samples, trains=trains, mixed=[("all_reduce", 1 << 20, 1, 1e-2)], world_size=2)

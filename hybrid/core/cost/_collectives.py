@@ -132,6 +132,11 @@ class Fit:
     above them (measured on this project's 2-core VMs, gloo, 4 KiB all-reduces: 2 ranks, a
     short train 0.6x the isolated time per collective, a long one 1.4x; 3 ranks, 2x at any
     length). The gap is what the trains measured, either way.
+
+    ``after_small`` (optional, per size) is the same for a collective that follows a *small* one
+    (the smallest size measured) in a train, as a bucket follows a one-bias bucket when every
+    gradient is its own bucket: it hides less behind its predecessor than in a train of its own
+    size (:func:`hybrid.core.cost.stream_ends`). Never below the gap.
     """
 
     intercept_s: float
@@ -140,6 +145,7 @@ class Fit:
     sizes: tuple = ()  # measured sizes in bytes, ascending
     medians: tuple = ()  # seconds, median over the samples of each size
     gaps: tuple = ()  # seconds per collective in a back-to-back train, per size; () = the medians
+    after_small: tuple = ()  # seconds per collective that follows a small one in a train; () = the gaps
 
     def seconds(self, nbytes: float) -> float:
         """Between measured sizes, the measured medians interpolated; beyond the largest, the last
@@ -160,6 +166,14 @@ class Fit:
         if len(self.gaps) < 2:
             return self.seconds(nbytes)
         return max(_interpolate(self.sizes, self.gaps, nbytes), 0.0)
+
+    def gap_after_small_seconds(self, nbytes: float) -> float:
+        """What a collective of ``nbytes`` adds to a train right after a small one
+        (:meth:`gap_seconds` where no such trains were measured)."""
+        gap = self.gap_seconds(nbytes)
+        if len(self.after_small) < 2:
+            return gap
+        return max(_interpolate(self.sizes, self.after_small, nbytes), gap)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -185,7 +199,8 @@ class CostModel:
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[str, int, float]], *, world_size: int, about: dict | None = None,
-            algorithm: str = "ring", trains: Iterable[tuple[str, int, int, float]] = ()) -> "CostModel":
+            algorithm: str = "ring", trains: Iterable[tuple[str, int, int, float]] = (),
+            mixed: Iterable[tuple[str, int, int, float]] = ()) -> "CostModel":
         """Least-squares lines through the samples of each collective, weighted by 1/time (so the
         small messages, where latency dominates, count as much as the big ones).
 
@@ -194,6 +209,13 @@ class CostModel:
         to back, from the first issue to the last completion. A train of ``k`` costs the isolated
         time plus ``k - 1`` gaps, so each size's gap is ``(median train - median isolated) / (k - 1)``
         (at least half the train's mean, against noise; it may exceed the isolated time).
+
+        ``mixed`` are ``(collective, nbytes, count, seconds)`` of *mixed* trains: ``count``
+        collectives of ``nbytes`` with one of the collective's smallest measured size between each
+        two. Each small one adds its gap, each big one after the first what it adds behind a small
+        one, so ``after_small = (median - isolated) / (count - 1) - gap(smallest)``, at least the
+        size's gap. Sizes without mixed trains (small ones, where the neighbour matters little)
+        keep their gap.
         """
         by_kind: dict[str, list[tuple[int, float]]] = {}
         for kind, nbytes, seconds in samples:
@@ -206,6 +228,11 @@ class CostModel:
                 raise ValueError(f"a train needs isolated samples of its collective and at least 2 collectives, "
                                  f"got {kind!r} x {count}")
             by_train.setdefault((kind, int(nbytes)), []).append((int(count), float(seconds)))
+        by_mixed: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        for kind, nbytes, count, seconds in mixed:
+            if int(count) < 2:
+                raise ValueError(f"a mixed train needs at least 2 collectives of its size, got {kind!r} x {count}")
+            by_mixed.setdefault((kind, int(nbytes)), []).append((int(count), float(seconds)))
         fits = {}
         for kind, rows in sorted(by_kind.items()):
             sizes = sorted({r[0] for r in rows})
@@ -226,7 +253,8 @@ class CostModel:
                     raise ValueError(f"{kind}: trains at some sizes but not at {missing}")
                 gaps = tuple(float(g) for g in np.maximum.accumulate(
                     [_gap(by_train[kind, size], alone) for size, alone in zip(sizes, medians)]))
-            fits[kind] = Fit(a, b, err, tuple(sizes), tuple(float(m) for m in medians), gaps)
+            after_small = _after_small(kind, sizes, medians, gaps, by_mixed)
+            fits[kind] = Fit(a, b, err, tuple(sizes), tuple(float(m) for m in medians), gaps, after_small)
         return cls(world_size, fits, dict(about or {}), algorithm)
 
     def seconds(self, kind: str, nbytes: float) -> float:
@@ -245,6 +273,18 @@ class CostModel:
         if f is None:
             raise KeyError(f"the cost model measured {sorted(self.fits)}, not {kind!r}")
         return what(f, nbytes)
+
+    def gap_after_small(self, kind: str, nbytes: float) -> float:
+        """What a collective of ``nbytes`` adds to a train right after a small one
+        (:meth:`gap` where no mixed trains were measured)."""
+        return self._fit(kind, nbytes, Fit.gap_after_small_seconds)
+
+    def train_gaps(self, kind: str, nbytes: float) -> tuple[float, float, float]:
+        """``(gap, gap after a small one, the small one's time)`` of a collective of ``nbytes``:
+        the last three elements of a :func:`hybrid.core.cost.stream_ends` task."""
+        sizes = self.fits[kind].sizes if kind in self.fits else ()
+        small = self.seconds(kind, sizes[0]) if sizes else 0.0
+        return self.gap(kind, nbytes), self.gap_after_small(kind, nbytes), small
 
     def link(self, kind: str = "all_reduce") -> Link:
         """The measured line as a :class:`Link`, through ``kind``'s formula at the measured size."""
@@ -267,7 +307,7 @@ class CostModel:
             d = json.loads(d)
         if d.get("kind") != "CostModel":
             raise ValueError(f"not a CostModel JSON object (kind={d.get('kind')!r})")
-        fits = {k: Fit(**{**f, **{key: tuple(f.get(key, ())) for key in ("sizes", "medians", "gaps")}})
+        fits = {k: Fit(**{**f, **{key: tuple(f.get(key, ())) for key in ("sizes", "medians", "gaps", "after_small")}})
                 for k, f in d["fits"].items()}
         return cls(d["world_size"], fits, d.get("about", {}),
                    d.get("algorithm", "ring"))
@@ -284,52 +324,26 @@ def _gap(trains: list[tuple[int, float]], alone: float) -> float:
     return max((total - alone) / (count - 1), total / count / 2)
 
 
-def stream_ends(tasks: Iterable[tuple[float, float, float]]) -> list[float]:
-    """When each collective of a stream ends, issued in order: ``(ready_s, seconds, gap_s)`` each.
-
-    A collective ends no sooner than ``seconds`` after it is issued (at ``ready_s``), and no sooner
-    than ``gap_s`` after the one before it ends: ``end_k = max(ready_k + seconds_k, end_{k-1} +
-    gap_k)``. With ``gap == seconds`` that is a serial stream (each starts when the previous ends);
-    a smaller gap is a stream that overlaps consecutive collectives (:meth:`CostModel.gap`).
-
-    >>> stream_ends([(0.0, 1.0, 1.0), (0.0, 1.0, 1.0)])  # serial
-    [1.0, 2.0]
-    >>> stream_ends([(0.0, 1.0, 0.25), (0.0, 1.0, 0.25), (5.0, 1.0, 0.25)])  # a train, then one alone
-    [1.0, 1.25, 6.0]
-    """
-    ends, last = [], -math.inf
-    for ready, seconds, gap in tasks:
-        last = max(ready + seconds, last + gap)
-        ends.append(last)
-    return ends
-
-
-def exposed_seconds(compute: Sequence[tuple[str, float, Sequence[str]]],
-                    comm: Sequence[tuple]) -> tuple[float, float]:
-    """Run two streams, compute and communication, each in its own issue order; a task starts
-    when its stream is free and the tasks it names are done. Returns ``(end, exposed)``: when
-    the last task ends, and how much of that is communication the compute did not hide.
-
-    A communication task may carry a fourth element, its gap (:func:`stream_ends`): it then ends
-    ``max(ready + seconds, previous end + gap)``, a stream that overlaps consecutive collectives.
-
-    >>> exposed_seconds([("b0", 1.0, ()), ("b1", 1.0, ())], [("r0", 1.5, ("b0",)), ("r1", 0.5, ("b1",))])
-    (3.0, 1.0)
-    """
-    done: dict[str, float] = {}
-    queues = [list(compute), list(comm)]
-    free = [0.0, 0.0]
-    while queues[0] or queues[1]:
-        progressed = False
-        for s, queue in enumerate(queues):
-            while queue and all(d in done for d in queue[0][2]):
-                name, seconds, deps, *gap = queue.pop(0)
-                ready = max([0.0, *(done[d] for d in deps)])
-                # with gap == seconds: max(ready, free) + seconds, a serial stream
-                free[s] = done[name] = max(ready + seconds, free[s] + (gap[0] if gap else seconds))
-                progressed = True
-        if not progressed:
-            waiting = [q[0][0] for q in queues if q]
-            raise ValueError(f"the tasks wait on each other or on unknown names: {waiting}")
-    end = max(free)
-    return end, end - sum(t[1] for t in compute)
+def _after_small(kind, sizes, medians, gaps, by_mixed) -> tuple:
+    """Per size, what a collective adds to a train after a small one (the size's gap where no
+    mixed train was measured); () when no mixed train of ``kind`` was."""
+    measured = {size: rows for (k, size), rows in by_mixed.items() if k == kind}
+    if not measured:
+        return ()
+    if not gaps:
+        raise ValueError(f"{kind}: mixed trains need the same-size trains too (their small ones cost a gap)")
+    unknown = sorted(set(measured) - set(sizes))
+    if unknown:
+        raise ValueError(f"{kind}: mixed trains at sizes {unknown} that were not measured alone")
+    out = []
+    for size, alone, gap in zip(sizes, medians, gaps):
+        rows = measured.get(size)
+        if rows is None:
+            out.append(gap)
+            continue
+        count = rows[0][0]
+        if any(k != count for k, _ in rows):
+            raise ValueError(f"the mixed trains of one size must have one length, got {sorted({k for k, _ in rows})}")
+        added = (float(np.median([t for _, t in rows])) - alone) / (count - 1) - gaps[0]  # per big one
+        out.append(gap if added <= gap * (1 + 1e-9) else added)  # not above the gap by float noise alone
+    return tuple(float(a) for a in np.maximum.accumulate(out))  # a longer message never adds less

@@ -32,7 +32,8 @@ import dataclasses
 from collections.abc import Callable
 
 from hybrid.core._buckets import BucketPlan
-from hybrid.core.cost._collectives import exposed_seconds, wire_bytes
+from hybrid.core.cost._collectives import wire_bytes
+from hybrid.core.cost._stream import exposed_seconds
 from hybrid.core._zero3 import _check_prefetch, forward_order
 
 STAGES = ("ddp", 1, 2, 3)
