@@ -40,18 +40,22 @@ def _run(kind: str, buf: torch.Tensor, part: torch.Tensor, group, async_op: bool
 
 
 def train_length(nbytes: int) -> int:
-    """How many collectives of ``nbytes`` a train holds: 32 for small messages, down to 2 for big
-    ones (bandwidth-bound: gap and time nearly agree).
+    """How many collectives of ``nbytes`` a train holds: 32 for small messages, down to 4 from
+    1 MiB on.
 
-    Small messages come in long trains (every gradient its own bucket: hundreds), and a short
-    train does not show what a long one costs: on gloo at 2 ranks on 2 cores, 4 KiB all-reduces
-    add 0.27-0.34 ms each to a train of 8 and 0.5-0.65 ms from 24 on (the isolated time is 0.43
-    ms), so the model fitted from trains of 8 put a 200-tensor step at half its time.
+    A short train does not show what a long one costs. Small messages come in long trains (every
+    gradient its own bucket: hundreds): on gloo at 2 ranks on 2 cores, 4 KiB all-reduces add
+    0.27-0.34 ms each to a train of 8 and 0.5-0.65 ms from 24 on (the isolated time is 0.43 ms),
+    so the model fitted from trains of 8 put a 200-tensor step at half its time. Big ones come in
+    trains of 2-5 (buckets at torch's caps, or a model's weights each alone), and the second of a
+    train overlaps the first more than later ones overlap theirs (gloo runs two at a time): 16
+    MiB all-reduces, 2 ranks on 2 cores, add 8.9 ms to a train of 2 and 11.6 ms each to one of 4
+    (14.1 alone); 3 ranks, 13.8 and 17.5 (23.9 alone) (.scratch-measured, 2026-11-26).
 
     >>> train_length(4096), train_length(1 << 20), train_length(32 << 20)
-    (32, 4, 2)
+    (32, 4, 4)
     """
-    return max(2, min(32, -(-(4 << 20) // max(int(nbytes), 1))))
+    return max(4, min(32, -(-(4 << 20) // max(int(nbytes), 1))))
 
 
 def repeats(nbytes: int) -> int:
@@ -67,48 +71,67 @@ def repeats(nbytes: int) -> int:
     return max(1, min(8, (1 << 20) // max(int(nbytes), 1)))
 
 
+# From this size on, a round also times mixed trains (each collective behind a smallest-size one).
+MIXED_FROM = 1 << 20
+
+
 class Prober:
     """The buffers and the timing of one rank's probe: every rank of ``group`` builds one with the
     same ``kinds`` and ``sizes`` and calls :meth:`round` together (each call is collective).
 
     A round times, per collective and size, :func:`repeats` isolated collectives (a barrier
     before each, so all ranks start together) and as many trains of :func:`train_length` of them
-    issued back to back and waited on together, as DDP issues its buckets. Tests interleave
-    rounds with the workload they predict.
+    issued back to back and waited on together, as DDP issues its buckets. From
+    :data:`MIXED_FROM` bytes on it also times as many *mixed* trains: the same collectives with
+    one of the smallest size between each two, as a train of one bucket per tensor alternates
+    weights and biases (a big collective hides less of itself behind a small one: see
+    :func:`hybrid.core.cost.stream_ends`). Tests interleave rounds with the workload they predict.
     """
 
     def __init__(self, group, kinds, sizes, device):
         self.group, self.device = group, device
         world = dist.get_world_size(group)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.cases = []
         for kind in kinds:
             if kind not in COLLECTIVES:
                 raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
-            for nbytes in sizes:
-                numel = max(world, int(nbytes) // 4 // world * world)  # a multiple of the world: equal shards
-                k = train_length(numel * 4)
-                bufs = [torch.zeros(numel, device=device) for _ in range(k)]
-                parts = [torch.zeros(numel // world, device=device) for _ in range(k)]
-                self.cases.append((kind, numel * 4, bufs, parts))
+        # One train of buffers per size, shared by the collectives (their values do not matter),
+        # each buffer in one collective at a time (a buffer reused within a train ran faster).
+        trains = {}
+        for nbytes in sizes:
+            numel = max(world, int(nbytes) // 4 // world * world)  # a multiple of the world: equal shards
+            trains[numel * 4] = [(torch.zeros(numel, device=device), torch.zeros(numel // world, device=device))
+                                 for _ in range(train_length(numel * 4))]
+        smallest = min(trains)
+        self.cases = []  # (kind, nbytes, [(buffer, shard)] of a train, the mixed train's or None)
+        for kind in kinds:
+            for nbytes, train in trains.items():
+                mixed = None
+                if nbytes >= MIXED_FROM and nbytes > smallest:
+                    # big, small, big, ..., big: every big one after the first follows a small one
+                    mixed = [c for pair in zip(train[:-1], trains[smallest]) for c in pair] + train[-1:]
+                self.cases.append((kind, nbytes, train, mixed))
 
-    def _timed(self, kind, bufs, parts) -> float:
+    def _timed(self, kind, train) -> float:
         dist.barrier(group=self.group)
         self.sync()
         t0 = time.perf_counter()
-        works = [_run(kind, b, p, self.group, async_op=True) for b, p in zip(bufs, parts)]
+        works = [_run(kind, buf, part, self.group, async_op=True) for buf, part in train]
         for w in works:
             w.wait()
         self.sync()
         return time.perf_counter() - t0
 
     def round(self) -> list[float]:
-        """This rank's times of one round: per case, its isolated collectives, then its trains."""
+        """This rank's times of one round: per case, its isolated collectives, its trains, then its
+        mixed trains (where it has them)."""
         times = []
-        for kind, nbytes, bufs, parts in self.cases:
+        for kind, nbytes, train, mixed in self.cases:
             n = repeats(nbytes)
-            times += [self._timed(kind, bufs[:1], parts[:1]) for _ in range(n)]
-            times += [self._timed(kind, bufs, parts) for _ in range(n)]
+            times += [self._timed(kind, train[:1]) for _ in range(n)]
+            times += [self._timed(kind, train) for _ in range(n)]
+            if mixed:
+                times += [self._timed(kind, mixed) for _ in range(n)]
         return times
 
     def slowest(self, seconds: list[float]) -> list[float]:
@@ -117,16 +140,19 @@ class Prober:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def samples(self, rounds: list[list[float]]):
-        """``(samples, trains)`` for :meth:`hybrid.core.CostModel.fit` from rounds of times."""
-        samples, trains = [], []
+    def samples(self, rounds: list[list[float]]) -> dict:
+        """The keyword arguments of :meth:`hybrid.core.CostModel.fit` (``samples``, ``trains``,
+        ``mixed``) from rounds of times."""
+        samples, trains, mixed = [], [], []
         for times in rounds:
             it = iter(times)
-            for kind, nbytes, bufs, _ in self.cases:
+            for kind, nbytes, train, with_small in self.cases:
                 n = repeats(nbytes)
                 samples += [(kind, nbytes, next(it)) for _ in range(n)]
-                trains += [(kind, nbytes, len(bufs), next(it)) for _ in range(n)]
-        return samples, trains
+                trains += [(kind, nbytes, len(train), next(it)) for _ in range(n)]
+                if with_small:
+                    mixed += [(kind, nbytes, len(train), next(it)) for _ in range(n)]
+        return {"samples": samples, "trains": trains, "mixed": mixed}
 
 
 def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5, cache: bool = True,
@@ -154,7 +180,7 @@ def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5,
     dist.all_gather_object(hosts, platform.node(), group=group)
     about = {"backend": backend, "world_size": world, "hosts": sorted(set(hosts)), "torch": torch.__version__,
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-             "sizes": sorted(int(s) for s in sizes), "reps": reps, "kinds": sorted(kinds), "probe": "isolated+trains"}
+             "sizes": sorted(int(s) for s in sizes), "reps": reps, "kinds": sorted(kinds), "probe": "isolated+trains+mixed"}
     path = cache_dir() / f"cost-torch-{fingerprint_of(about)}.json"
     found = [None]
     if rank == 0 and cache and path.is_file():
@@ -166,8 +192,7 @@ def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5,
         prober = Prober(group, kinds, sizes, device)
         prober.round()  # warm-up: connections, allocations
         rounds = [prober.slowest(prober.round()) for _ in range(reps)]
-    samples, trains = prober.samples(rounds)
-    model = CostModel.fit(samples, trains=trains, world_size=world, about=about)
+    model = CostModel.fit(**prober.samples(rounds), world_size=world, about=about)
     if rank == 0 and cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

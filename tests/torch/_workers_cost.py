@@ -47,11 +47,12 @@ def steps(world: int) -> dict:
 
 def predict(model: CostModel, reduce: list[int], broadcast: list[int]) -> float:
     """The model's time of the step's collectives: a train of all-reduces, then, once they are
-    done, a train of broadcasts (stream_ends with each collective's gap)."""
-    end = stream_ends([(0.0, model.seconds("all_reduce", n), model.gap("all_reduce", n)) for n in reduce])[-1]
-    if broadcast:
-        end = stream_ends([(end, model.seconds("broadcast", n), model.gap("broadcast", n)) for n in broadcast])[-1]
-    return end
+    done, a train of broadcasts (stream_ends with each collective's gaps)."""
+    def train(kind, sizes, ready):
+        return stream_ends([(ready, model.seconds(kind, n), model.gap(kind, n), model.gap_after_small(kind, n))
+                            for n in sizes])[-1]
+    end = train("all_reduce", reduce, 0.0)
+    return train("broadcast", broadcast, end) if broadcast else end
 
 
 def step_repeats(reduce_bytes, broadcast_bytes) -> int:
@@ -95,8 +96,7 @@ def measure_and_compare(world, rounds, rank, port, out):
                     measured[name].append([next(it) for _ in range(reps[name])])
 
         def fitted(rounds_):
-            samples, trains = prober.samples(rounds_)
-            return CostModel.fit(samples, trains=trains, world_size=world, about={"backend": "gloo"})
+            return CostModel.fit(**prober.samples(rounds_), world_size=world, about={"backend": "gloo"})
 
         model = fitted(probe_rounds)
         per_round = [fitted([p]) for p in probe_rounds]

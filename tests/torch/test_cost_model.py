@@ -8,7 +8,8 @@ all-reduces followed by every rank's broadcast of its slices. Probe and steps in
 after round, so both see the same machine load; the slowest rank's time counts for both.
 
 The prediction is CostModel.fit over the probe's samples (medians per size, interpolated; a
-train's collectives cost their gap, the first its isolated time) run through stream_ends. Two
+train's collectives cost their gap, the first its isolated time, one behind a smaller collective
+up to its gap after a small one, from the probe's mixed trains) run through stream_ends. Two
 ratios of predicted to measured: of the medians over all rounds (the model as measure_collectives
 builds it), and paired, the median over rounds of each round's model against the same round's
 steps (how the project's benchmarks cancel a load that drifts). The test holds the paired ratio
