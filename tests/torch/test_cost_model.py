@@ -59,6 +59,11 @@ def test_predicted_step_communication_within_20_percent(world):
     print(f"\nworld {world}: predicted / measured step communication, paired (of medians) [noise] {{ms}}: "
           + ", ".join(f"{k} {r['paired']:.2f} ({r['predicted'] / r['measured']:.2f}) [{r['spread']:.2f}] "
                       f"{{{r['measured'] * 1e3:.1f}}}" for k, r in rows.items()))
+    model = CostModel.from_json(outcomes[0]["model"])
+    for kind in ("all_reduce", "broadcast"):  # what the rows were predicted from (.ci/quiet keeps it)
+        print(f"world {world} model {kind}, MiB: alone / gap / gap after a small one, ms: " + ", ".join(
+            f"{n / 2**20:g}: {model.seconds(kind, n) * 1e3:.2f} / {model.gap(kind, n) * 1e3:.2f} / "
+            f"{model.gap_after_small(kind, n) * 1e3:.2f}" for n in model.fits[kind].sizes if n > 1 << 19))
     judged = {k: r for k, r in rows.items() if r["spread"] <= NOISE}
     bad = {k: round(r["paired"], 3) for k, r in judged.items() if not 0.8 <= r["paired"] <= 1.2}
     assert not bad, f"paired predicted / measured outside [0.8, 1.2]: {bad} (all: {rows})"
