@@ -50,7 +50,7 @@ def train_length(nbytes: int) -> int:
     trains of 2-5 (buckets at torch's caps, or a model's weights each alone), and the second of a
     train overlaps the first more than later ones overlap theirs (gloo runs two at a time): 16
     MiB all-reduces, 2 ranks on 2 cores, add 8.9 ms to a train of 2 and 11.6 ms each to one of 4
-    (14.1 alone); 3 ranks, 13.8 and 17.5 (23.9 alone) (.scratch-measured, 2026-11-26).
+    (14.1 alone); 3 ranks, 13.8 and 17.5 (23.9 alone); medians of 15, 2026-11-26 (docs/core.md).
 
     >>> train_length(4096), train_length(1 << 20), train_length(32 << 20)
     (32, 4, 4)
@@ -180,7 +180,8 @@ def measure_collectives(process_group=None, *, sizes=PROBE_SIZES, reps: int = 5,
     dist.all_gather_object(hosts, platform.node(), group=group)
     about = {"backend": backend, "world_size": world, "hosts": sorted(set(hosts)), "torch": torch.__version__,
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-             "sizes": sorted(int(s) for s in sizes), "reps": reps, "kinds": sorted(kinds), "probe": "isolated+trains+mixed"}
+             "sizes": sorted(int(s) for s in sizes), "reps": reps, "kinds": sorted(kinds),
+             "probe": "isolated+trains+mixed"}
     path = cache_dir() / f"cost-torch-{fingerprint_of(about)}.json"
     found = [None]
     if rank == 0 and cache and path.is_file():

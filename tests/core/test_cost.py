@@ -150,7 +150,8 @@ def test_a_big_collective_behind_a_small_one_costs_what_the_mixed_trains_measure
     after_small = {1 << 20: 3e-3, 1 << 24: 14e-3}
     model = CostModel.fit([("all_reduce", n, t) for n, t in alone.items()],
                           trains=[("all_reduce", n, 4, t + 3 * gap[n]) for n, t in alone.items()],
-                          mixed=[("all_reduce", n, 4, alone[n] + 3 * (a + gap[1 << 12])) for n, a in after_small.items()],
+                          mixed=[("all_reduce", n, 4, alone[n] + 3 * (a + gap[1 << 12]))
+                                 for n, a in after_small.items()],
                           world_size=3)
     assert model.gap_after_small("all_reduce", 1 << 24) == pytest.approx(14e-3)
     assert model.gap_after_small("all_reduce", 1 << 12) == pytest.approx(1e-3)  # no mixed train: its gap
