@@ -172,6 +172,9 @@ def test_a_big_collective_behind_a_small_one_costs_what_the_mixed_trains_measure
     assert stream_ends([task(big), task(1 << 20), task(big)])[-1] == pytest.approx(16e-3 + 2e-3 + 14e-3 - 3e-3)
     # behind one as long as the gap's overlap (6 ms beyond the small one's), the same-size gap
     assert stream_ends([task(big), (0.0, 7e-3, 7e-3), task(big)])[-1] == pytest.approx(16e-3 + 7e-3 + 8e-3)
+    # a gap after a small one without the small one's time is refused, not read as a 0 s predecessor
+    with pytest.raises(ValueError, match="both or neither"):
+        stream_ends([task(big), (0.0, 16e-3, 8e-3, 14e-3)])
     # the JSON keeps them; a model saved before mixed trains existed reads back without them
     assert CostModel.from_json(model.to_json()) == model
     old = model.to_json()

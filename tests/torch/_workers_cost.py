@@ -49,8 +49,7 @@ def predict(model: CostModel, reduce: list[int], broadcast: list[int]) -> float:
     """The model's time of the step's collectives: a train of all-reduces, then, once they are
     done, a train of broadcasts (stream_ends with each collective's gaps)."""
     def train(kind, sizes, ready):
-        return stream_ends([(ready, model.seconds(kind, n), model.gap(kind, n), model.gap_after_small(kind, n))
-                            for n in sizes])[-1]
+        return stream_ends([(ready, model.seconds(kind, n), *model.train_gaps(kind, n)) for n in sizes])[-1]
     end = train("all_reduce", reduce, 0.0)
     return train("broadcast", broadcast, end) if broadcast else end
 

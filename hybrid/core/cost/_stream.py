@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 
 def next_end(last_end: float, previous_s: float, ready: float, seconds: float, gap: float,
-             after_small: float | None = None, small_s: float = 0.0) -> float:
+             after_small: float | None = None, small_s: float | None = None) -> float:
     """When a collective of the stream ends: issued at ``ready``, taking ``seconds`` alone, behind
     one that took ``previous_s`` alone (``math.inf`` for none) and ended at ``last_end``.
 
@@ -37,6 +37,9 @@ def next_end(last_end: float, previous_s: float, ready: float, seconds: float, g
     >>> next_end(1.0, 0.375, 0.0, 1.0, 0.25, 0.875, 0.125)  # behind one 0.25 longer: 0.25 more hidden
     1.625
     """
+    if (after_small is None) != (small_s is None):
+        raise ValueError(f"a collective's gap after a small one needs the small one's time too (both or neither), "
+                         f"got after_small={after_small!r}, small_s={small_s!r}")
     hidden = seconds - gap
     if after_small is not None and previous_s < seconds:
         hidden = min(hidden, seconds - after_small + max(0.0, previous_s - small_s))
