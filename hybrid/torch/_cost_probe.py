@@ -146,11 +146,11 @@ class Prober:
         samples, trains, mixed = [], [], []
         for times in rounds:
             it = iter(times)
-            for kind, nbytes, train, with_small in self.cases:
+            for kind, nbytes, train, mixed_train in self.cases:
                 n = repeats(nbytes)
                 samples += [(kind, nbytes, next(it)) for _ in range(n)]
                 trains += [(kind, nbytes, len(train), next(it)) for _ in range(n)]
-                if with_small:
+                if mixed_train:
                     mixed += [(kind, nbytes, len(train), next(it)) for _ in range(n)]
         return {"samples": samples, "trains": trains, "mixed": mixed}
 

@@ -23,7 +23,7 @@ def _largest_measured(cost, kind: str) -> float:
     """The largest size ``cost`` measured ``kind`` at (``inf`` where it does not say). Past it a
     model extrapolates from its last two sizes, and a plan that bets on that line can lose: on this
     project's 2-core VM a 21M MLP planned as one 80 MiB bucket, predicted 4% faster than torch's
-    caps from the 16-32 MiB slope, ran 7% slower, where a bucket per tensor ran 18% faster."""
+    caps from the 16-32 MiB slope, ran 7% slower than torch, where a bucket per tensor ran 12% faster."""
     fit = getattr(cost, "fits", {}).get(kind)
     return float(fit.sizes[-1]) if fit is not None and fit.sizes else math.inf
 
@@ -37,19 +37,17 @@ def _depends_on_previous(cost, kind: str) -> bool:
     return fit is None or any(a > g for a, g in zip(fit.after_small, fit.gaps))
 
 
-def _largest_loss(cost, kind: str, nbytes: Sequence[int], cuts) -> float:
-    """The most any bucket of these tensors adds behind a small collective over behind its own
-    size (``gap_after_small - gap``). Both are interpolated between the same measured sizes (and
-    extrapolated past the largest), so for a :class:`~hybrid.core.CostModel` the most is at one
-    of those sizes or at all the bytes; otherwise every bucket the search can form is asked."""
-    total = sum(nbytes)
+def _largest_loss(cost, kind: str, starts: Sequence[int]) -> float:
+    """The most any bucket adds behind a small collective over behind its own size
+    (``gap_after_small - gap``); ``starts``: the bytes before each atom, and all of them. Both
+    are interpolated between the same measured sizes (and extrapolated past the largest), so for
+    a :class:`~hybrid.core.CostModel` the most is at one of those sizes or at all the bytes;
+    otherwise every bucket the search can form is asked."""
+    total = starts[-1]
     fit = getattr(cost, "fits", {}).get(kind)
     if fit is not None and fit.sizes:
         candidates = [n for n in fit.sizes if n <= total] + [total]
     else:
-        starts = [0]
-        for lo, hi in cuts:
-            starts.append(starts[-1] + sum(nbytes[lo:hi]))
         candidates = {b - a for i, a in enumerate(starts) for b in starts[i + 1:]}
     return max(max(0.0, a - g) for g, a, _ in (_gaps(cost, kind, n) for n in candidates))
 
@@ -106,14 +104,14 @@ def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compu
     n = len(cuts)
     per_bucket = copy.seconds_per_bucket
     backward_end = compute_end + copy.seconds(cum_before[-1])
-    starts = [0]  # bytes before each tensor of the key, and all of them
+    before = [0]  # bytes before each tensor of the key, and all of them
     for b in nbytes:
-        starts.append(starts[-1] + b)
+        before.append(before[-1] + b)
+    starts = [before[lo] for lo, _ in cuts] + [before[-1]]  # the same, per atom
     largest = _largest_measured(cost, kind)
     by_previous = _depends_on_previous(cost, kind)
-    if by_previous:
-        small_s = _gaps(cost, kind, 1)[2]
-        loss = _largest_loss(cost, kind, nbytes, cuts)
+    small_s = _gaps(cost, kind, 1)[2]  # the small collective's time, the same for every size
+    loss = _largest_loss(cost, kind, starts) if by_previous else 0.0
     runs: dict = {}
 
     def run(start, stop):
@@ -122,15 +120,15 @@ def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compu
         key = (start, stop)
         if key not in runs:
             lo, hi = cuts[start][0], cuts[stop - 1][1]
-            size = sum(nbytes[lo:hi])
+            size = starts[stop] - starts[start]
             t = cost.seconds(kind, size)
-            gap, after_small, small_s = _gaps(cost, kind, size)
+            gap, after_small, _ = _gaps(cost, kind, size)
             delay = per_bucket + (1 - overlap) * t if stop < n else per_bucket  # the last runs after the backward
             back = 0.0 if (hi - lo == 1 and in_place) else copy.seconds(size)
             later = _after_cost(cost, after_step, size, False)
             runs[key] = (times[hi - 1] + copy.seconds(cum_before[hi - 1]) + per_bucket + t - delay,
                          gap - delay, back, delay + later, delay,
-                         _after_cost(cost, after_step, size, True) - later, t, after_small - gap, small_s)
+                         _after_cost(cost, after_step, size, True) - later, t, after_small - gap)
         return runs[key]
 
     def dominates(f, g):
@@ -154,9 +152,9 @@ def _plan_key(specs, order, times, cost, copy, kind, after_step, in_place, compu
         for stop in range(1, n + 1):
             front: list[tuple] = []
             for start in range(stop - 1, -1, -1):
-                if stop - start > 1 and starts[cuts[stop - 1][1]] - starts[cuts[start][0]] > largest:
+                if stop - start > 1 and starts[stop] - starts[start] > largest:
                     break  # a bucket of several atoms past the sizes measured: not planned on a guess
-                alone, gap, back, rest, delay, first, t, small_extra, small_s = run(start, stop)
+                alone, gap, back, rest, delay, first, t, small_extra = run(start, stop)
                 if alone > bound:
                     break
                 for s in fronts[start]:

@@ -222,17 +222,8 @@ class CostModel:
             if kind not in COLLECTIVES:
                 raise ValueError(f"unknown collective {kind!r} in the samples")
             by_kind.setdefault(kind, []).append((int(nbytes), float(seconds)))
-        by_train: dict[tuple[str, int], list[tuple[int, float]]] = {}
-        for kind, nbytes, count, seconds in trains:
-            if kind not in by_kind or int(count) < 2:
-                raise ValueError(f"a train needs isolated samples of its collective and at least 2 collectives, "
-                                 f"got {kind!r} x {count}")
-            by_train.setdefault((kind, int(nbytes)), []).append((int(count), float(seconds)))
-        by_mixed: dict[tuple[str, int], list[tuple[int, float]]] = {}
-        for kind, nbytes, count, seconds in mixed:
-            if int(count) < 2:
-                raise ValueError(f"a mixed train needs at least 2 collectives of its size, got {kind!r} x {count}")
-            by_mixed.setdefault((kind, int(nbytes)), []).append((int(count), float(seconds)))
+        by_train = _by_kind_and_size(trains, "a train", by_kind)
+        by_mixed = _by_kind_and_size(mixed, "a mixed train", by_kind)
         fits = {}
         for kind, rows in sorted(by_kind.items()):
             sizes = sorted({r[0] for r in rows})
@@ -316,11 +307,27 @@ class CostModel:
         return fingerprint_of(self.to_json())
 
 
-def _gap(trains: list[tuple[int, float]], alone: float) -> float:
+def _by_kind_and_size(rows, what: str, by_kind) -> dict[tuple[str, int], list[tuple[int, float]]]:
+    """``(collective, nbytes, count, seconds)`` rows grouped by collective and size."""
+    out: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for kind, nbytes, count, seconds in rows:
+        if kind not in by_kind or int(count) < 2:
+            raise ValueError(f"{what} needs isolated samples of its collective and at least 2 collectives of "
+                             f"its size, got {kind!r} x {count}")
+        out.setdefault((kind, int(nbytes)), []).append((int(count), float(seconds)))
+    return out
+
+
+def _train_median(trains: list[tuple[int, float]], what: str) -> tuple[int, float]:
+    """The common length of one size's trains, and their median time."""
     count = trains[0][0]
     if any(k != count for k, _ in trains):
-        raise ValueError(f"the trains of one size must have one length, got {sorted({k for k, _ in trains})}")
-    total = float(np.median([t for _, t in trains]))
+        raise ValueError(f"{what} of one size must have one length, got {sorted({k for k, _ in trains})}")
+    return count, float(np.median([t for _, t in trains]))
+
+
+def _gap(trains: list[tuple[int, float]], alone: float) -> float:
+    count, total = _train_median(trains, "the trains")
     return max((total - alone) / (count - 1), total / count / 2)
 
 
@@ -341,9 +348,7 @@ def _after_small(kind, sizes, medians, gaps, by_mixed) -> tuple:
         if rows is None:
             out.append(gap)
             continue
-        count = rows[0][0]
-        if any(k != count for k, _ in rows):
-            raise ValueError(f"the mixed trains of one size must have one length, got {sorted({k for k, _ in rows})}")
-        added = (float(np.median([t for _, t in rows])) - alone) / (count - 1) - gaps[0]  # per big one
+        count, total = _train_median(rows, "the mixed trains")
+        added = (total - alone) / (count - 1) - gaps[0]  # per big one
         out.append(gap if added <= gap * (1 + 1e-9) else added)  # not above the gap by float noise alone
     return tuple(float(a) for a in np.maximum.accumulate(out))  # a longer message never adds less
