@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from hybrid.core import ParamMapping, ParamPairing
-from hybrid.parity._bridge import jax_tree, named_torch, pair_models
+from hybrid.parity._bridge import jax_tree, named_torch, observed_ready_order, pair_models
 from hybrid.parity._report import ParityReport, SideRun, Tolerance, compare
-from hybrid.parity._spec import OptimizerSpec, check_split, count, global_batches, pair_of, portable
+from hybrid.parity._spec import OptimizerSpec, check_split, count, global_batches, pair_of, portable, tree_map
 
 STAGES = (0, 1, 2, 3)
 
@@ -44,7 +44,11 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
             mapping: ParamMapping | ParamPairing | None = None, seed: int = 0) -> ParitySetup:
     """Call both factories (torch's under ``torch.manual_seed(seed)``), pair the models through
     ``mapping`` (default ``ParamMapping.flax()``; ties found in the torch module) and cross torch's
-    initial weights to the JAX tree; draw ``steps`` global batches from ``data``.
+    initial weights to the JAX tree; draw ``steps`` global batches from ``data``. The torch module
+    takes one step (forward and backward, on step 0's batch; nothing is updated) to observe the
+    order torch's backward makes the gradients ready (:func:`hybrid.torch.gradient_ready_order`):
+    the pairing carries it, so the JAX side plans the buckets torch's DDP rebuilds, whatever the
+    mapping's rules say about the order inside a module.
 
     Args:
       torch_pair: ``() -> (torch.nn.Module, loss_fn(module, batch) -> scalar tensor)``, or its
@@ -57,7 +61,7 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
         the rows it is given, so that DDP's average is the global batch's loss.
 
     >>> import jax.numpy as jnp, numpy as np
-    >>> setup = prepare(lambda: (torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 2)}), lambda m, x: m["fc"](x).mean()),
+    >>> setup = prepare(lambda: (torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 2)}), lambda m, x: m.module["fc"](x).mean()),
     ...                 lambda: ({"fc": {"kernel": jnp.zeros((3, 2)), "bias": jnp.zeros(2)}},
     ...                          lambda p, x: (x @ p["fc"]["kernel"] + p["fc"]["bias"]).mean()),
     ...                 lambda step: np.full((4, 3), step, np.float32), steps=2)
@@ -70,7 +74,7 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
     if not isinstance(optimizer, OptimizerSpec):
         raise TypeError(f"optimizer must be a hybrid.parity.OptimizerSpec, got {type(optimizer).__name__}")
     torch.manual_seed(count("seed", seed, least=0))
-    module, _ = pair_of(torch_pair, "torch")
+    module, torch_loss = pair_of(torch_pair, "torch")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"the torch factory must return (torch.nn.Module, loss_fn), got {type(module).__name__}")
     like, jax_loss = pair_of(jax_pair, "jax")
@@ -79,8 +83,12 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
     else:
         pairing = pair_models(module, like, mapping)
     init = named_torch(module)
+    batches = global_batches(data, steps)
+    if not pairing.torch_ready:
+        ready = observed_ready_order(module, torch_loss, tree_map(torch.from_numpy, batches[0]))
+        pairing = pairing.with_torch_ready(ready)
     return ParitySetup(portable(torch_pair), jax_tree(like, pairing.to_jax(init)), jax_loss, pairing, init,
-                       global_batches(data, steps), optimizer)
+                       batches, optimizer)
 
 
 def _check_stage(stage) -> int:
