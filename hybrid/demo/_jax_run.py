@@ -14,6 +14,8 @@ its first iteration: from the order its backward computes gradients
 from __future__ import annotations
 
 import functools
+import os
+import re
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -155,6 +157,24 @@ def make_optimizer(config: TrainConfig, layout: dict | None = None) -> optax.Gra
     if config.stage == 3:  # the plan travels with the ParamShards (shard_params), not with zero
         return hj.zero(inner, AXIS, stage=3)
     return hj.zero(inner, AXIS, stage=config.stage, **(zero_layout(config) if layout is None else layout))
+
+
+def ensure_host_devices(num_devices: int) -> None:
+    """Give JAX's CPU platform at least ``num_devices`` devices, if JAX has not started its backends
+    yet (``import jax`` alone does not; the first array or device query does).
+
+    What a script would do by hand (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before
+    jax is imported, or ``jax.config.update("jax_num_cpu_devices", N)`` right after), done for it;
+    a larger count already asked for is kept. Once the backends run their device count is fixed:
+    then nothing changes, and :func:`host_mesh` says what to do if there are too few.
+    """
+    flags = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if max(jax.config.jax_num_cpu_devices, int(flags.group(1)) if flags else 1) >= num_devices:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", num_devices)
+    except RuntimeError:  # the backends are up already: their devices are what they are
+        pass
 
 
 def host_mesh(num_devices: int) -> Mesh:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,13 +106,15 @@ def _check_save(setup: ParitySetup, save_at, save_to) -> None:
 
 
 def train_torch(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
-                save_to=None, timeout_s: float = 300, progress=None) -> SideRun:
+                save_to=None, timeout_s: float = 300, progress=None, cancel: threading.Event | None = None) -> SideRun:
     """The torch side: ``hybrid.torch.DistributedDataParallel`` at torch's default caps (+
     ``ZeroRedundancyOptimizer`` for stage 1, ``ZeRO2`` for stage 2), or ``hybrid.torch.ZeRO3`` +
-    ``ZeRO3Optimizer`` (stage 3, ZeRO3's default plan), on ``world_size`` spawned gloo
-    ranks, rank ``r`` on rows ``[r B / W, (r + 1) B / W)``. ``resume`` / ``save_at`` + ``save_to``:
-    checkpoints of :mod:`hybrid.checkpoint.torch`. A rank that fails or hangs raises here (with its
-    traceback) within ``timeout_s``."""
+    ``ZeRO3Optimizer`` (stage 3, ZeRO3's default plan), on ``world_size`` gloo ranks (fresh
+    processes: your script is not run again in them), rank ``r`` on rows ``[r B / W, (r + 1) B / W)``.
+    ``resume`` / ``save_at`` + ``save_to``: checkpoints of :mod:`hybrid.checkpoint.torch`. A rank that
+    raises is raised here with its traceback; one that dies (at import, killed) within about a
+    second with its exit code and stderr; one that hangs at ``timeout_s``. ``cancel``: an event that
+    stops the ranks when set."""
     from hybrid.parity._run_torch import train_torch_world
 
     world_size = count("world_size", world_size)
@@ -120,7 +123,7 @@ def train_torch(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resu
     job = dict(factory=setup.torch_factory, init=setup.init, optimizer=setup.optimizer, stage=_check_stage(stage),
                batches=setup.batches, resume=None if resume is None else str(resume), save_at=save_at,
                save_to=None if save_to is None else str(save_to))
-    return train_torch_world(job, world_size=world_size, timeout_s=timeout_s, progress=progress)
+    return train_torch_world(job, world_size=world_size, timeout_s=timeout_s, progress=progress, cancel=cancel)
 
 
 def train_jax(setup: ParitySetup, *, num_devices: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
@@ -152,16 +155,37 @@ def run(torch_pair, jax_pair, data, *, steps: int = 10, optimizer: OptimizerSpec
     """Train the pair with both frontends from the same weights on the same global batches and
     compare them (torch is the reference): per-step losses, final parameters per tensor, plans.
 
-    The torch ranks run while JAX trains in this process. Arguments as :func:`prepare`,
-    :func:`train_torch` and :func:`train_jax`; ``tolerance`` decides the report's verdicts.
-    See docs/parity.md for a whole example.
+    The torch ranks run while JAX trains in this process; whichever side fails first ends the
+    other within a step. Where JAX has not started yet (``import jax`` alone does not start it),
+    its CPU platform is given ``num_devices`` devices, so a script needs no ``XLA_FLAGS``; and the
+    torch ranks do not run the calling script again, so it needs no ``__main__`` guard. Arguments
+    as :func:`prepare`, :func:`train_torch` and :func:`train_jax`; ``tolerance`` decides the
+    report's verdicts. See docs/parity.md for a whole example.
     """
+    from hybrid.demo import ensure_host_devices
+
+    ensure_host_devices(count("num_devices", num_devices))  # before the JAX factory starts JAX
     setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
     _check_tolerance(tolerance, setup)
+    stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        torch_side = pool.submit(train_torch, setup, world_size=world_size, stage=stage, timeout_s=timeout_s)
-        jax_side = train_jax(setup, num_devices=num_devices, stage=stage)
+        torch_side = pool.submit(train_torch, setup, world_size=world_size, stage=stage, timeout_s=timeout_s,
+                                 cancel=stop)
+        try:
+            jax_side = train_jax(setup, num_devices=num_devices, stage=stage, progress=_raise_if_failed(torch_side))
+        except BaseException:
+            stop.set()  # the torch ranks end now, not at their timeout
+            raise
         return compare(torch_side.result(), jax_side, tolerance=tolerance)
+
+
+def _raise_if_failed(side: concurrent.futures.Future):
+    """A progress callback that raises the other side's error as soon as it has one."""
+    def progress(step, loss):
+        del step, loss
+        if side.done() and side.exception() is not None:
+            raise side.exception()
+    return progress
 
 
 def handover(torch_pair, jax_pair, data, *, at: int, to: str = "jax", steps: int = 10,
@@ -182,6 +206,9 @@ def handover(torch_pair, jax_pair, data, *, at: int, to: str = "jax", steps: int
         raise ValueError(f"at must be in 1..{steps - 1}, a step before the last, got {at!r}")
     if not optimizer.stateful:
         raise ValueError("sgd without momentum keeps no optimizer state to hand over: give momentum, or use adam")
+    from hybrid.demo import ensure_host_devices
+
+    ensure_host_devices(count("num_devices", num_devices))
     setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
     _check_tolerance(tolerance, setup)
     with tempfile.TemporaryDirectory(prefix="hybrid-parity-") as tmp:
