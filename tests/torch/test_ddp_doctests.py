@@ -4,6 +4,7 @@ import doctest
 
 import pytest
 
+import hybrid.torch._collectives
 import hybrid.torch._cost_probe
 import hybrid.torch._ready
 import hybrid.torch.ddp._auto
@@ -13,7 +14,8 @@ import hybrid.torch.ddp._parts
 
 
 @pytest.mark.parametrize("module", [hybrid.torch.ddp._ddp, hybrid.torch.ddp._logging, hybrid.torch.ddp._parts,
-                                    hybrid.torch.ddp._auto, hybrid.torch._cost_probe, hybrid.torch._ready])
+                                    hybrid.torch.ddp._auto, hybrid.torch._cost_probe, hybrid.torch._ready,
+                                    hybrid.torch._collectives])
 def test_ddp_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -90,7 +90,9 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
     """Load a checkpoint (saved by either frontend, at any world size) into ``module``,
     ``optimizer`` and ``scheduler``, as torch's ``load_state_dict`` calls would; returns the saved step.
 
-    Every file is checked (size, SHA-256, contents, the manifest they were written for) and every
+    Every file is checked (its size; an XXH3-128 checksum of its header, which holds an XXH3-128
+    checksum of each chunk of its data, checked as the chunk is read; format 1-2 checkpoints: the
+    whole file's SHA-256; the manifest it was written for) and every
     tensor and buffer matched to the model by name, shape and dtype before anything changes: a bad
     checkpoint raises :class:`~hybrid.checkpoint.CheckpointError` naming the file and leaves the
     model, optimizer and scheduler as they were. Call it on every rank (it reads files, it does
