@@ -20,7 +20,7 @@ from hybrid.checkpoint._files import storage_dtype
 from hybrid.checkpoint._protocol import begin_save
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
-from hybrid.checkpoint.torch._commit import named_collective, write_and_commit
+from hybrid.checkpoint.torch._commit import abandoned_on_failure, named_collective, write_and_commit
 from hybrid.checkpoint.torch._zero3 import save_zero3
 from hybrid.checkpoint.torch._state import (
     _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3, _local_states, _numpy,
@@ -87,8 +87,9 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
         info = describe(counts, {s: set(v) for s, v in slots.items()}) if describe else None
         return save_arrays(path, params, world_size=world_size or 1, step=step, slots=_fill_slots(params, slots, info),
                            optimizer=info, plan=plan, stage=stage, framework="torch", **extras)
-    return _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, process_group,
-                             extras)
+    with abandoned_on_failure(path, dist.get_rank(process_group)):
+        return _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, process_group,
+                                 extras)
 
 
 def _describer(optimizer, named, name_of, step):
