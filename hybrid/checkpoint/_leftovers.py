@@ -1,4 +1,8 @@
-"""What interrupted saves leave beside checkpoints, found and cleared.
+"""A folder of checkpoints: the newest complete one, and what interrupted saves left beside them.
+
+:func:`latest` is what a relaunched job resumes from (torchrun's ``--max-restarts`` does not
+restart a gloo job, so recovery is relaunching the same command: docs/torch.md, "Recovering from
+a crash").
 
 A save of ``NAME`` works in two hidden siblings (``hybrid.checkpoint._protocol``): ``.NAME.saving``
 and ``.NAME.previous``. A failed save removes its ``.saving`` where a process lives to do it; a
@@ -15,8 +19,10 @@ import dataclasses
 import os
 import pathlib
 import re
+import warnings
 
-from hybrid.checkpoint._manifest import MANIFEST
+from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._manifest import MANIFEST, CheckpointError
 from hybrid.checkpoint._protocol import fs
 
 _HIDDEN = re.compile(r"\.(?P<name>.+)\.(?P<kind>saving|previous)")
@@ -89,3 +95,41 @@ def clear_leftovers(folder: str | os.PathLike) -> list[pathlib.Path]:
             continue
         done.append(leftover.path)
     return done
+
+
+def latest(folder: str | os.PathLike) -> pathlib.Path | None:
+    """The checkpoint in ``folder`` with the highest saved step (its manifest's), or None if it
+    holds none: what a relaunched job resumes from.
+
+    Only committed checkpoints count (a save in progress or killed before its commit is hidden,
+    ``.NAME.saving``); one whose swap a crash cut in two is found through its ``.NAME.previous``,
+    as any reader finds it. A directory whose manifest cannot be read is skipped with a warning
+    naming it. Ties go to the later name.
+
+    >>> import tempfile, numpy as np
+    >>> from hybrid.checkpoint import save_arrays
+    >>> runs = pathlib.Path(tempfile.mkdtemp())
+    >>> latest(runs) is None
+    True
+    >>> for step in (200, 400):
+    ...     _ = save_arrays(runs / f"step-{step:06d}", {"w": np.ones(2, np.float32)}, step=step)
+    >>> (runs / ".step-000600.saving").mkdir()  # killed before its commit: not a checkpoint
+    >>> latest(runs).name
+    'step-000400'
+    """
+    folder = pathlib.Path(folder)
+    names = {p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    names |= {x.checkpoint.name for x in leftovers(folder) if x.action == "restore"}
+    found = []
+    for name in sorted(names):
+        if not ((folder / name / MANIFEST).exists() or (folder / f".{name}.previous" / MANIFEST).exists()):
+            continue  # not a checkpoint (a folder of something else)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "reading the previous checkpoint": expected here
+                step = Checkpoint(folder / name).manifest.step
+        except CheckpointError as e:
+            warnings.warn(f"latest: skipping {folder / name}: {e}", stacklevel=2)
+            continue
+        found.append((step, name))
+    return folder / max(found)[1] if found else None

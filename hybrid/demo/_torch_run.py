@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.demo._checkpointing import Checkpointing
 from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, rank_rows
 from hybrid.demo._world import COLLECTIVE_TIMEOUT_S, free_port, spawn_world  # noqa: F401 - re-exported
 from hybrid.torch import DistributedDataParallel, ZeRO2, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer
@@ -156,13 +157,17 @@ def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step:
 
 def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = None, start_step: int = 0,
                 progress: Progress | None = None, resume: str | None = None, save_to: str | None = None,
-                save_at: int | None = None) -> TrainResult:
+                save_at: int | None = None, checkpoint_dir: str | None = None,
+                save_every: int | None = None) -> TrainResult:
     """Train ``config`` from ``start_step`` to ``config.num_steps`` in the current process group
     (``torch.distributed`` initialised, one call per rank); every rank returns the same result.
 
     ``resume`` loads a checkpoint (:mod:`hybrid.checkpoint.torch`, saved by either frontend at
     any world size) and starts from its step; ``save_to`` saves one after step ``save_at``
-    (default the last) and training goes on.
+    (default the last) and training goes on. ``save_every`` saves every that many steps into
+    ``checkpoint_dir/step-NNNNNN``; given a ``checkpoint_dir`` and no ``resume``, the run resumes
+    from the newest checkpoint there, so a relaunched job continues where it crashed
+    (:class:`~hybrid.demo._checkpointing.Checkpointing`).
 
     >>> import torch.distributed as dist
     >>> from hybrid.demo import TrainConfig
@@ -174,16 +179,17 @@ def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = N
     """
     from hybrid.checkpoint import torch as checkpoint
 
+    saves = Checkpointing(resume, save_to, save_at, checkpoint_dir, save_every)
     ddp, opt = build_torch(config, params)
+    resume = saves.resume_path()
     if resume is not None:
         start_step = checkpoint.load(resume, ddp, opt)
-    save_at = config.num_steps if save_at is None else save_at
     t0 = time.perf_counter()
     losses = []
-    for lo, hi in ((start_step, save_at), (save_at, config.num_steps)) if save_to else ((start_step, config.num_steps),):
+    for lo, hi, where in saves.segments(start_step, config.num_steps):
         losses.append(train_torch_steps(ddp, opt, config, lo, hi, progress=progress))
-        if save_to and hi == save_at:
-            checkpoint.save(save_to, ddp, opt, step=save_at, metadata={"config": config.to_json()})
+        if where is not None:
+            checkpoint.save(where, ddp, opt, step=hi, metadata={"config": config.to_json()})
     seconds = time.perf_counter() - t0
     # ZeRO3's parameters are whole only inside gathered(); cloned, as a numpy view of them would
     # keep the whole gathered bucket alive after the block.

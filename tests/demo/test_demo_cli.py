@@ -46,7 +46,6 @@ def test_the_gpt_pair_trains_at_default_caps_compares_hands_over_and_plots(tmp_p
     assert (where / "checkpoint" / "manifest.json").exists()
     png = where / "loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"parity: {png}" in out
-    assert "step/s" in proc.stderr  # tqdm's bars
 
 
 def test_the_mlp_stays_an_option(tmp_path):
@@ -138,3 +137,27 @@ def test_a_second_demo_on_the_same_folder_is_refused(tmp_path):
     assert not (tmp_path / "checkpoint").exists()
     proc = _demo("--model", "mlp", "--steps", "2", "--out", str(tmp_path), cwd=tmp_path)  # released: it runs
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_progress_is_a_bar_on_a_terminal_and_whole_lines_in_a_log(monkeypatch):
+    import io
+
+    from hybrid._demo_cli import PlainProgress, _bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stderr", Terminal())
+    assert type(_bar("torch", 3)).__name__ == "tqdm"
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    bar = _bar("torch", 40)
+    assert isinstance(bar, PlainProgress)
+    with bar:
+        for step in range(40):
+            bar.update(1)
+            bar.set_postfix(loss=f"{1 / (step + 1):.4f}")
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("torch: step 40/40, loss 0.0250, ")  # every 4th step
+    assert "\r" not in log.getvalue()

@@ -17,8 +17,8 @@ from hybrid.checkpoint._files import Checkpoint
 from hybrid.core import BucketPlan
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint.torch._state import (
-    DDP_PLAN_KEY, TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap, expected_slots,
-    kept_states, named_buffers, named_parameters, param_names_by_group)
+    DDP_PLAN_KEY, TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap,
+    expected_slots, kept_states, named_buffers, named_parameters, param_names_by_group)
 
 _NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")
 
