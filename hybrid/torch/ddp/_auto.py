@@ -17,11 +17,12 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from hybrid.core import BucketPlan, CopyCost, auto_plan, plan_buckets, predict_step, rebuild_plan
+from hybrid.core import BucketPlan, CopyCost, TensorSpec, auto_plan, plan_buckets, predict_step, rebuild_plan
 from hybrid.core.cost import PROBE_SIZES
 from hybrid.torch._collectives import naming
 from hybrid.torch._cost_probe import measure_collectives
@@ -93,7 +94,7 @@ def probe_sizes(total_bytes: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _copy_cost(ddp, nbytes: int) -> CopyCost:
+def _copy_cost(ranks, nbytes: int) -> CopyCost:
     """This rank's cost of one pass over a gradient (copied into a bucket with the scale, and back:
     two passes) and of launching a bucket (issuing an async all-reduce: every rank issues them).
 
@@ -102,29 +103,29 @@ def _copy_cost(ddp, nbytes: int) -> CopyCost:
     27 ps/byte at 4 MiB, 70 at 16 MiB), and every rank copies at once, sharing the memory bus as
     the ranks' hooks do."""
     numel = max(1024, min(int(nbytes), 32 << 20) // 4)
-    src = torch.randn(numel, device=ddp.device)
+    src = torch.randn(numel, device=ranks.device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if ddp.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if ranks.device.type == "cuda" else (lambda: None)
     passes = []
     for _ in range(6):
         sync()
         t0 = time.perf_counter()
-        torch.mul(src, ddp._inv_div, out=dst)
+        torch.mul(src, 1.0 / ranks.world, out=dst)
         src.copy_(dst)
         sync()
         passes.append(time.perf_counter() - t0)
-    tiny = [torch.zeros(1, device=ddp.device) for _ in range(8)]
+    tiny = [torch.zeros(1, device=ranks.device) for _ in range(8)]
     launches = []
     for _ in range(3):
         t0 = time.perf_counter()
-        futures = [dist.all_reduce(t, group=ddp.process_group, async_op=True).get_future() for t in tiny]
+        futures = [dist.all_reduce(t, group=ranks.group, async_op=True).get_future() for t in tiny]
         launches.append((time.perf_counter() - t0) / len(tiny))
         for f in futures:
             f.wait()
     return CopyCost(statistics.median(passes[1:]) / (2 * numel * src.element_size()), statistics.median(launches))
 
 
-def _overlap(ddp) -> float:
+def _overlap(ranks) -> float:
     """How much of a collective's time the backward does not feel, from what runs where.
 
     On a GPU, NCCL's kernels run beside the backward's on their own SMs: 1. On CPUs, gloo's
@@ -135,56 +136,62 @@ def _overlap(ddp) -> float:
     collective on a busy machine gave anything from 0 to 1 for the same setting (issue 25's notes
     in docs/torch.md), while the arithmetic of cores matches what the steps show.
     """
-    if ddp.device.type == "cuda":
+    if ranks.device.type == "cuda":
         return 1.0
-    hosts = [None] * ddp._world
-    dist.all_gather_object(hosts, platform.node(), group=ddp.process_group)
+    hosts = [None] * ranks.world
+    dist.all_gather_object(hosts, platform.node(), group=ranks.group)
     local = hosts.count(platform.node())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return min(1.0, max(0.0, (cores - local * torch.get_num_threads()) / local))
 
 
-def _slowest(values: list[float], ddp) -> list[float]:
+def _slowest(values: list[float], ranks) -> list[float]:
     """Each value's maximum over the ranks (NaN stays NaN only where every rank has NaN)."""
-    t = torch.tensor([-1.0 if math.isnan(v) else v for v in values], dtype=torch.float64, device=ddp.device)
-    if ddp._world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    t = torch.tensor([-1.0 if math.isnan(v) else v for v in values], dtype=torch.float64, device=ranks.device)
+    if ranks.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ranks.group)
     return [math.nan if v < 0 else v for v in t.tolist()]
 
 
-def plan_auto(ddp, order: list[int]) -> BucketPlan:
-    """The auto plan for ``ddp`` from rank 0's ready ``order`` (a collective: every rank calls it)."""
-    n = len(ddp._params)
+def plan_auto(ranks, specs: Sequence[TensorSpec], order: list[int], ready_s: list[float] | None, *,
+              collectives: tuple, in_place: bool) -> tuple[BucketPlan, dict]:
+    """The auto plan from rank 0's ready ``order`` and this rank's ready times ``ready_s`` (a
+    collective: every rank of ``ranks``, a :class:`~hybrid.torch.ddp._sync.RankAgreement`, calls
+    it), and the report of what it was planned from (``ddp._auto_report``).
+
+    ``collectives``: what each bucket runs and what runs after the step (``("all_reduce", ())``
+    for DDP's own all-reduce; ZeRO2 states its own); ``in_place``: whether a bucket may be its
+    gradient itself (not with ``gradient_as_bucket_view`` or mixed precision)."""
+    n = len(specs)
     order = list(order) + [i for i in reversed(range(n)) if i not in set(order)]  # unused ones last
-    specs = ddp.bucket_plan.specs
     total = sum(s.nbytes for s in specs)
-    kind, after = ddp._auto_collectives
+    kind, after = collectives
     kinds = sorted({kind, *(k for k, _ in after)})
     with naming("DistributedDataParallel (bucket_cap_mb='auto'): agreeing on ready times and costs"):
-        seen = _slowest(ddp._last_ready_s or [math.nan] * n, ddp)
-        copy = _copy_cost(ddp, total)
+        seen = _slowest(ready_s or [math.nan] * n, ranks)
+        copy = _copy_cost(ranks, total)
         # the slowest rank's costs; the least overlap (its 1 - overlap is the largest)
-        per_byte, per_bucket, felt = _slowest([copy.seconds_per_byte, copy.seconds_per_bucket, 1 - _overlap(ddp)], ddp)
+        per_byte, per_bucket, felt = _slowest([copy.seconds_per_byte, copy.seconds_per_bucket, 1 - _overlap(ranks)],
+                                              ranks)
         # 9 rounds, not the probe's default 5: the plan weighs one size's median against another's,
         # and on a busy machine 5 rounds left a 16 MiB median a third above its 1 ns/byte neighbours
-        model = measure_collectives(ddp.process_group, sizes=probe_sizes(total), kinds=kinds, reps=9)
+        model = measure_collectives(ranks.group, sizes=probe_sizes(total), kinds=kinds, reps=9)
     copy, overlap = CopyCost(per_byte, per_bucket), 1 - felt
     latest = max((t for t in seen if not math.isnan(t)), default=0.0)
     ready = [latest if math.isnan(seen[i]) else seen[i] for i in order]
-    in_place = not ddp._grads_in_buckets and ddp.mixed_precision is None
     plan = None
-    if ddp._rank == 0:
+    if ranks.rank == 0:
         plan = auto_plan(specs, order, ready, model, copy=copy, kind=kind, in_place=in_place, after_step=after,
                          overlap=overlap)
-    if ddp._world > 1:
+    if ranks.world > 1:
         box = [plan.dumps() if plan is not None else None]
         with naming("DistributedDataParallel (bucket_cap_mb='auto'): the broadcast of rank 0's plan"):
-            dist.broadcast_object_list(box, src=dist.get_global_rank(ddp.process_group, 0), group=ddp.process_group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(ranks.group, 0), group=ranks.group)
         plan = BucketPlan.from_json(box[0])
     default = rebuild_plan(plan_buckets(specs), order)
-    ddp._auto_report = {
+    report = {
         "cost_model": model.fingerprint(), "copy": copy, "overlap": overlap, "ready_order": order, "ready_s": ready,
         "predicted_exposed_s": {
             name: predict_step(p, order, ready, model, copy=copy, kind=kind, after_step=after, overlap=overlap).exposed_s
             for name, p in (("auto", plan), ("torch default caps", default))}}
-    return plan
+    return plan, report

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel.distributed import _BufferCommHook, _BufferCommHookLocation
 
-from hybrid.torch.ddp._sync import _BROADCAST_BUCKET_BYTES
+from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES
 
 
 class BufferSync:
-    """Mixed into :class:`hybrid.torch.DistributedDataParallel` ahead of ``RankAgreement`` and
-    ``Reducer``, whose ``_sync_buffers`` and ``_finalize`` it extends."""
+    """Mixed into :class:`hybrid.torch.DistributedDataParallel` ahead of ``Reducer``, whose
+    ``_finalize`` it extends."""
 
     # Futures returned by a buffer hook, waited for when the backward's reduction finishes
     # (torch's Reducer::install_futures); a list once a hook returned some.
@@ -63,10 +63,14 @@ class BufferSync:
         # torch's: the sync does not count as an in-place change of the buffers for autograd (an
         # eval-mode BatchNorm saved its running stats for backward, and a hook may change them).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers_to_sync)):
+            # Under Join, rank 0 may have joined with stale buffers: the highest active rank broadcasts
+            # (a hook takes part in that collective too, and ignores its result, as torch's).
+            src = self._ranks.find_common_rank(rank_cond) if self._join_config.enable else 0
             if hook is None:
-                return super()._sync_buffers(rank_cond)
-            if self._join_config.enable:
-                self._find_common_rank(self._rank, rank_cond)  # torch's collective, result unused by a hook
+                if self._ranks.world > 1:
+                    self._ranks.broadcast([b.detach() for b in self._buffers_to_sync], src,
+                                          f"DistributedDataParallel forward: the broadcast of rank {src}'s buffers")
+                return
             futs = hook.buffer_comm_hook(hook.buffer_comm_hook_state, self.named_module_buffers)
         if futs is not None:
             self._install_post_backward_futures(futs)
@@ -81,7 +85,7 @@ class BufferSync:
         """torch's default buffer sync, for buffer hooks that call it: ``bufs`` (default: the
         module's buffers) broadcast from ``authoritative_rank``."""
         bufs = self._buffers_to_sync if bufs is None else bufs
-        torch.distributed._broadcast_coalesced(self.process_group, bufs, bucket_size or _BROADCAST_BUCKET_BYTES,
+        torch.distributed._broadcast_coalesced(self.process_group, bufs, bucket_size or BROADCAST_BUCKET_BYTES,
                                                authoritative_rank)
 
     def _finalize(self) -> None:

@@ -61,7 +61,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync, DelayedAllReduce, RankAgreement,
+class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync, DelayedAllReduce,
                               SparseBuckets, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
@@ -144,7 +144,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._assign_modules_buffers()
-        self._set_world()
+        self._set_ranks()
         self._divide_by_initial_world_size = True
         self.batched_grad_copy = batched_grad_copy
         self._init_sync_buffers = init_sync_buffers
@@ -174,7 +174,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
                 return  # torch's: no reducer, and the forward only runs the module
 
         if init_sync:
-            self._verify_same_model()
+            self._ranks.verify_same_model(self._names, self._params, self._layout_settings)
             self._init_sync_buffers = init_sync_buffers
             self._sync_module_states(0)
 
@@ -222,10 +222,20 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         self._fuse_at_hook = [fuse and v is not None and p.numel() >= self._FUSED_SCALE_NUMEL
                               for p, v in zip(self._params, self._views)]
 
-    def _set_world(self) -> None:
-        self._world = dist.get_world_size(self.process_group)
-        self._rank = dist.get_rank(self.process_group)
-        self._set_div_factor(self._world)
+    def _set_ranks(self) -> None:
+        self._ranks = RankAgreement(self.process_group, self.device)
+        self._set_div_factor(self._ranks.world)
+
+    def _sync_module_states(self, src: int) -> None:
+        """torch's _sync_module_states: parameters (and buffers) from ``src`` to every rank."""
+        if self._ranks.world == 1:
+            return
+        tensors = [p.detach() for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+        if self._init_sync_buffers:
+            tensors += [b.detach() for b in self._buffers_to_sync]
+        if tensors:
+            self._ranks.broadcast(tensors, src, f"DistributedDataParallel: the broadcast of rank {src}'s parameters "
+                                  "and buffers")
 
     def _set_div_factor(self, n: int) -> None:
         self._div_factor, self._inv_div = n, 1.0 / n
@@ -265,14 +275,14 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         if work is not None:
             with naming("DistributedDataParallel forward (Join): the all-reduce that counts the ranks still training"):
                 work.wait()
-            self._set_div_factor(self._world if self._divide_by_initial_world_size
+            self._set_div_factor(self._ranks.world if self._divide_by_initial_world_size
                                  else int(work.result()[0].item()))
         if torch.is_grad_enabled():
             self._maybe_rebuild()
         if self._check_sync_bufs_pre_fwd():
             self._sync_buffers()
         if self._join_config.enable:
-            self._check_global_requires_backward_grad_sync(is_joined_rank=False)
+            self._ranks.backward_sync_flag(self.require_backward_grad_sync, joined=False)
         return grad_sync
 
     @torch.compiler.disable
@@ -325,7 +335,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         state = self._state
         if self._expect_hooks and state is not None and state.started and not state.finished:
             raise self._logged(RuntimeError(unfinished_reduction_message(
-                self._rank, state.missing(), self._names, static_graph=self.static_graph,
+                self._ranks.rank, state.missing(), self._names, static_graph=self.static_graph,
                 find_unused_parameters=self.find_unused_parameters)))
 
     # ---- backward ---------------------------------------------------------------------------

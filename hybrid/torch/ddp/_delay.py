@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from hybrid.torch.ddp._sync import _BROADCAST_BUCKET_BYTES
+from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES
 
 
 class DelayedAllReduce:
@@ -42,7 +42,7 @@ class DelayedAllReduce:
         device = torch.device("cpu") if device_ids is None else device_ids[0]
         self._delay_grad_buffer = torch.zeros(sum(p.numel() for p in params), device=device)
         # torch broadcasts these even with init_sync=False.
-        dist._broadcast_coalesced(self.process_group, [p.detach() for p in params], _BROADCAST_BUCKET_BYTES, 0)
+        dist._broadcast_coalesced(self.process_group, [p.detach() for p in params], BROADCAST_BUCKET_BYTES, 0)
         self._register_delayed_hook()
         offset = 0
         for p in params:

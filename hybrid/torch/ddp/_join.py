@@ -21,7 +21,7 @@ class _JoinHook(JoinHook):
         ddp._maybe_rebuild()
         if ddp._check_sync_bufs_pre_fwd():  # torch's: a POST_FORWARD buffer hook is not shadowed
             ddp._sync_buffers(rank_cond=False)
-        should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
+        should_sync = ddp._ranks.backward_sync_flag(False, joined=True)
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
@@ -48,5 +48,5 @@ class _JoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool):
         # torch's _sync_final_model: the last rank to join holds the final model.
         ddp = self.ddp
-        src = ddp._find_common_rank(ddp._rank, is_last_joiner)
+        src = ddp._ranks.find_common_rank(is_last_joiner)
         ddp._sync_module_states(src)

@@ -14,7 +14,7 @@ from torch import nn
 
 # What the reducer holds (rebuilt by _init_reducer) and the process group: never pickled.
 _DROPPED = frozenset({
-    "process_group", "_world", "_rank", "_div_factor", "_inv_div", "_index_of", "_iteration", "_delaying",
+    "process_group", "_ranks", "_div_factor", "_inv_div", "_index_of", "_iteration", "_delaying",
     "_comm_hook", "_has_rebuilt", "_last_order", "_expect_hooks", "_state", "_start_state",
     "_static_unused", "_static_globally_unused", "_futures", "_used_work", "_local_used",
     "_pending_unused", "_used_in_window", "_undefined_now", "bucket_plan", "_bufs", "_views", "_bucket_is_last",
@@ -44,7 +44,7 @@ class Pickling:
     def __setstate__(self, state):
         nn.Module.__setstate__(self, state)
         self.process_group = dist.distributed_c10d._get_default_group()
-        self._set_world()
+        self._set_ranks()
         if self._delay_grad_buffer is not None:
             self._register_delayed_hook()  # tensor hooks do not travel with a copied parameter
         if not self._delay_all_reduce_all_params:

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid import kernels
-from hybrid.core import plan_buckets
+from hybrid.core import plan_buckets, rebuild_plan
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
 from hybrid.torch._collectives import naming
-from hybrid.torch.ddp._auto import ReadyClock
+from hybrid.torch.ddp._auto import ReadyClock, plan_auto
 from hybrid.torch.ddp._parts import GradBucket, marked_twice_message
 
 
@@ -385,3 +385,28 @@ class Reducer:
             self._local_used = used
             self._used_work = dist.all_reduce(used, group=self.process_group, async_op=True)
         return state
+
+    # ---- the one rebuild ----------------------------------------------------------------------
+
+    def _rebuild(self, ready_order) -> None:
+        """Rebuild the plan once from the first iteration's ready order; rank 0's order wins.
+        With ``bucket_cap_mb="auto"`` the plan is :func:`hybrid.torch.ddp._auto.plan_auto`'s."""
+        order = self._ranks.rank0_order(ready_order)
+        if self._auto_caps:
+            plan, self._auto_report = plan_auto(
+                self._ranks, self.bucket_plan.specs, order, self._last_ready_s, collectives=self._auto_collectives,
+                in_place=not self._grads_in_buckets and self.mixed_precision is None)
+            self._ready_clock = None  # the times are in; the hooks stop reading the clock
+        else:
+            plan = rebuild_plan(self.bucket_plan, order, size_limits=self._rebuild_limits)
+        self._ranks.check_same_plan(plan, self._layout_settings)
+        self._set_plan(plan)
+        self._has_rebuilt = True
+
+    def _restore_rebuilt_plan(self, plan) -> None:
+        """Take ``plan``, a rebuilt plan a checkpoint recorded, as this DDP's rebuilt plan: no
+        rebuild follows, so the first step reduces in the saving run's buckets
+        (``hybrid.checkpoint.torch.load(..., restore_buckets=True)``; every rank reads the same
+        manifest, so the ranks agree without a collective)."""
+        self._set_plan(plan)
+        self._has_rebuilt = True
