@@ -61,8 +61,8 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync, DelayedAllReduce,
-                              SparseBuckets, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync, SparseBuckets, Reducer, nn.Module,
+                              Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -97,9 +97,14 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
         if device_mesh is not None:
             self.device_mesh = device_mesh
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self._init_delayed(delay_all_reduce_named_params, param_to_hook_all_reduce)
+        # The delayed parameters, chosen before the reduced ones: they join parameters_to_ignore.
+        delayed = list(delay_all_reduce_named_params or ())
+        self._delayed = DelayedAllReduce(delayed, param_to_hook_all_reduce) if delayed else None
+        self.parameters_to_ignore.update(name for name, _ in delayed)
         named = _reduced_parameters(module, self.parameters_to_ignore)
-        if not named and not self._delay_all_reduce_params:
+        # torch's: no reducer, and the forward only runs the module
+        self._delay_all_reduce_all_params = bool(delayed) and not named
+        if not named and not delayed:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
         # torch's: every parameter not ignored (frozen ones too) decides the device.
@@ -168,10 +173,10 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
                 static_graph=static_graph, find_unused_parameters=find_unused_parameters)
         self._init_mixed_precision(mixed_precision)  # before planning: buckets in the reduce dtype
 
-        if self._delay_all_reduce_params:
-            self._register_delay_all_reduce_hook(device_ids, all_delayed=not named)
-            if not named:
-                return  # torch's: no reducer, and the forward only runs the module
+        if self._delayed is not None:
+            self._delayed.start(self.process_group, device_ids)
+            if self._delay_all_reduce_all_params:
+                return
 
         if init_sync:
             self._ranks.verify_same_model(self._names, self._params, self._layout_settings)
@@ -245,7 +250,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
     def forward(self, *inputs, **kwargs):
         if self._delay_all_reduce_all_params:  # no reducer, no buffer sync (torch's)
             out = self.module(*inputs, **kwargs)
-            self._clear_grad_buffer()
+            self._delayed.after_forward()
             return out
         # Under torch.compile only the wrapped module is traced: the reducer's bookkeeping runs
         # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
@@ -315,7 +320,8 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
             # Outputs the loss leaves out still reach the backward (with None gradients), so the
             # parameters behind them report in as locally unused, as with torch's _DDPSink.
             out = through_sink(out, clone=self._ddp_sink_clone)
-        self._clear_grad_buffer()  # delayed parameters' .grad: views of their flat buffer
+        if self._delayed is not None:
+            self._delayed.after_forward()  # delayed parameters' .grad: views of their flat buffer
         return out
 
     def _maybe_rebuild(self) -> None:

@@ -20,69 +20,77 @@ from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES
 
 
 class DelayedAllReduce:
-    """Mixed into :class:`hybrid.torch.DistributedDataParallel`."""
+    """The delayed parameters of one DDP, their flat gradient buffer and its all-reduce.
 
-    _delay_grad_buffer: torch.Tensor | None = None
-    _delay_all_reduce_all_params = False
+    Owns ``names`` and ``params`` (the delayed parameters, in the order given), the flat buffer
+    and each parameter's view into it, and the process group the hook reduces over. The DDP
+    calls :meth:`start` once at construction, :meth:`after_forward` after every forward, and
+    :meth:`attach` when unpickled (the group and the hook do not travel with a copy).
+    """
 
-    def _init_delayed(self, delay_all_reduce_named_params, param_to_hook_all_reduce) -> None:
-        """The delayed parameters, before the reduced ones are chosen (``parameters_to_ignore``)."""
-        self._delay_all_reduce_params = []
-        self._delay_grad_views = []
-        # object.__setattr__: nn.Module would register a Parameter attribute as the DDP's own.
-        object.__setattr__(self, "_param_to_hook_all_reduce", param_to_hook_all_reduce)
-        for name, param in delay_all_reduce_named_params or ():
-            self.parameters_to_ignore.add(name)
-            self._delay_all_reduce_params.append(param)
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], hook_param: torch.Tensor):
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self._hook_param = hook_param
+        self._group = None
+        self._buffer: torch.Tensor | None = None  # made by start()
+        self._views: list[torch.Tensor] = []
 
-    def _register_delay_all_reduce_hook(self, device_ids, all_delayed: bool) -> None:
+    def start(self, group, device_ids) -> None:
         """Flat gradient buffer and views, broadcast from rank 0, the hook (torch's order)."""
-        params = self._delay_all_reduce_params
+        self._group = group
         # torch's buffer: the default dtype, on the CPU unless device_ids names a device.
         device = torch.device("cpu") if device_ids is None else device_ids[0]
-        self._delay_grad_buffer = torch.zeros(sum(p.numel() for p in params), device=device)
+        self._buffer = torch.zeros(sum(p.numel() for p in self.params), device=device)
         # torch broadcasts these even with init_sync=False.
-        dist._broadcast_coalesced(self.process_group, [p.detach() for p in params], BROADCAST_BUCKET_BYTES, 0)
-        self._register_delayed_hook()
+        dist._broadcast_coalesced(group, [p.detach() for p in self.params], BROADCAST_BUCKET_BYTES, 0)
+        self._register_hook()
         offset = 0
-        for p in params:
-            self._delay_grad_views.append(self._delay_grad_buffer[offset:offset + p.numel()].view(p.shape))
+        for p in self.params:
+            self._views.append(self._buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
-        self._delay_all_reduce_all_params = all_delayed
 
-    def _register_delayed_hook(self) -> None:
+    def attach(self, group) -> None:
+        """After unpickling: reduce over ``group``, hooked again on the copy's parameter."""
+        self._group = group
+        if self._buffer is not None:
+            self._register_hook()  # tensor hooks do not travel with a copied parameter
+
+    def __getstate__(self):
+        return {**self.__dict__, "_group": None}  # a process group does not pickle
+
+    def _register_hook(self) -> None:
         # After param_to_hook_all_reduce's gradient is accumulated. torch's is a tensor hook, which
         # runs before: when that parameter is itself delayed, its gradient lands in the buffer
         # while the all-reduce of the buffer is in flight (a race); here it is reduced with the rest.
-        # Through a weak reference, as the reducer's hooks (_reducer.py): a parameter holding the
-        # DDP would keep it, and its process group, alive past its last reference.
-        ddp_ref = weakref.ref(self)
+        # Through a weak reference, as the reducer's hooks: a parameter holding this (and so its
+        # process group) would keep it alive past the DDP's last reference.
+        ref = weakref.ref(self)
 
         def hook(param):
-            ddp = ddp_ref()
-            if ddp is not None:
-                ddp._delayed_all_reduce_hook(param)
-        self._param_to_hook_all_reduce.register_post_accumulate_grad_hook(hook)
+            del param
+            delayed = ref()
+            if delayed is not None:
+                delayed._all_reduce()
+        self._hook_param.register_post_accumulate_grad_hook(hook)
 
-    def _delayed_all_reduce_hook(self, param) -> None:
-        del param
-        buf = self._delay_grad_buffer
-        buf.div_(dist.get_world_size(self.process_group))
-        work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+    def _all_reduce(self) -> None:
+        buf = self._buffer
+        buf.div_(dist.get_world_size(self._group))
+        work = dist.all_reduce(buf, group=self._group, async_op=True)
         # torch never waits for this all-reduce, so an optimizer step may read the delayed
         # gradients before it lands; ours waits for it when the backward ends.
         Variable._execution_engine.queue_callback(work.wait)
 
-    def _clear_grad_buffer(self) -> None:
+    def after_forward(self) -> None:
         """After each forward: a delayed parameter without a gradient gets its buffer view (zero)."""
-        if self._delay_grad_buffer is None:
+        if self._buffer is None:
             return
-        params = self._delay_all_reduce_params
-        all_none = all(p.grad is None for p in params)
-        for p, view in zip(params, self._delay_grad_views):
+        all_none = all(p.grad is None for p in self.params)
+        for p, view in zip(self.params, self._views):
             if p.grad is None:
                 p.grad = view
                 if not all_none:
                     view.zero_()
         if all_none:
-            self._delay_grad_buffer.zero_()
+            self._buffer.zero_()

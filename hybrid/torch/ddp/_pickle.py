@@ -45,7 +45,7 @@ class Pickling:
         nn.Module.__setstate__(self, state)
         self.process_group = dist.distributed_c10d._get_default_group()
         self._set_ranks()
-        if self._delay_grad_buffer is not None:
-            self._register_delayed_hook()  # tensor hooks do not travel with a copied parameter
+        if self._delayed is not None:
+            self._delayed.attach(self.process_group)
         if not self._delay_all_reduce_all_params:
             self._init_reducer()
