@@ -101,7 +101,7 @@ class TorchMethods:
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the module's buffers (torch's rule)."""
-        return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync)
+        return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffer_sync.buffers)
 
     # ---- logging data (hybrid/torch/ddp/_logging.py keeps it as torch's C++ Logger) ------------
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from hybrid.core import BucketPlan, ddp_size_limits
 from hybrid.core._reducer_state import start_iteration
@@ -32,7 +33,7 @@ from hybrid.torch.ddp._mixed import MixedPrecision
 from hybrid.torch.ddp._pickle import Pickling
 from hybrid.torch.ddp._sink import through_sink
 from hybrid.torch.ddp._sparse import SparseBuckets, sparse_placeholder
-from hybrid.torch.ddp._sync import RankAgreement
+from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES, RankAgreement
 from hybrid.torch.ddp._reducer import Reducer
 from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there (hybrid.torch.dynamo)
 
@@ -61,8 +62,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync, SparseBuckets, Reducer, nn.Module,
-                              Joinable):
+class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, SparseBuckets, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -148,7 +148,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
 
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._assign_modules_buffers()
+        self._buffer_sync = BufferSync(module, self.parameters_to_ignore)
         self._set_ranks()
         self._divide_by_initial_world_size = True
         self.batched_grad_copy = batched_grad_copy
@@ -237,13 +237,58 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, BufferSync
             return
         tensors = [p.detach() for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
         if self._init_sync_buffers:
-            tensors += [b.detach() for b in self._buffers_to_sync]
+            tensors += [b.detach() for b in self._buffer_sync.buffers]
         if tensors:
             self._ranks.broadcast(tensors, src, f"DistributedDataParallel: the broadcast of rank {src}'s parameters "
                                   "and buffers")
 
     def _set_div_factor(self, n: int) -> None:
         self._div_factor, self._inv_div = n, 1.0 / n
+
+    # ---- buffers (torch's names) -------------------------------------------------------------
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers DDP syncs, by name, as the module held them at the last sync (torch's)."""
+        return self._buffer_sync.named
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """torch's name for the buffers DDP syncs."""
+        return self._buffer_sync.buffers
+
+    @property
+    def buffer_hook(self):
+        """The registered buffer comm hook (torch's attribute; absent until one is registered)."""
+        if self._buffer_sync.hook is None:
+            raise AttributeError("buffer_hook")  # nn.Module's __getattr__ words it as torch's
+        return self._buffer_sync.hook
+
+    def _register_buffer_comm_hook(self, state, hook, comm_hook_location=_BufferCommHookLocation.POST_FORWARD):
+        """Run ``hook(state, named_buffers)`` on the module's buffers (a dict of name to tensor)
+        instead of broadcasting them from rank 0, before or after the forward
+        (``torch.nn.parallel.distributed._BufferCommHookLocation``). The hook may return a list of
+        futures: they are waited for at the end of the backward."""
+        self._buffer_sync.register_hook(state, hook, comm_hook_location)
+
+    def _default_broadcast_coalesced(self, bufs=None, bucket_size=None, authoritative_rank=0):
+        """torch's default buffer sync, for buffer hooks that call it: ``bufs`` (default: the
+        module's buffers) broadcast from ``authoritative_rank``."""
+        bufs = self._buffer_sync.buffers if bufs is None else bufs
+        dist._broadcast_coalesced(self.process_group, bufs, bucket_size or BROADCAST_BUCKET_BYTES, authoritative_rank)
+
+    def _check_sync_bufs_pre_fwd(self) -> bool:
+        """Whether this forward syncs the buffers before running the module (torch's rule)."""
+        return self.will_sync_module_buffers() and self._buffer_sync.syncs_before_forward()
+
+    def _check_sync_bufs_post_fwd(self) -> bool:
+        """Whether this forward runs a POST_FORWARD buffer hook after the module (torch's rule)."""
+        return self.will_sync_module_buffers() and self._buffer_sync.syncs_after_forward()
+
+    def _sync_buffers(self, rank_cond: bool = True) -> None:
+        futs = self._buffer_sync.sync(self._ranks, rank_cond=rank_cond, join_enabled=self._join_config.enable)
+        if futs:
+            self._install_post_backward_futures(futs)
 
     # ---- forward ----------------------------------------------------------------------------
 

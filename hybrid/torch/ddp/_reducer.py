@@ -48,6 +48,9 @@ class Reducer:
         self._static_unused: tuple[int, ...] | None = None  # static_graph: found in iteration 1
         self._static_globally_unused: set[int] | None = None
         self._futures: list = []
+        # Futures a buffer comm hook returned, waited for once the backward's reduction finishes
+        # (torch's Reducer::install_futures).
+        self._installed_futures: list = []
         self._used_work = None
         self._used_in_window: set[int] = set()  # used under no_sync() since the last reduction
         self._undefined_now: set[int] = set()  # hooks that fired with .grad None (find_unused)
@@ -335,6 +338,13 @@ class Reducer:
         self._expect_hooks = False
         if timed:
             self.logger.record("backward_comm_end")
+        if self._installed_futures:
+            futs, self._installed_futures = self._installed_futures, []
+            torch.futures.wait_all(futs)
+
+    def _install_post_backward_futures(self, futs: list) -> None:
+        """Wait for ``futs`` when the next synchronizing backward's reduction finishes."""
+        self._installed_futures = [*self._installed_futures, *futs]
 
     @property
     def _reduction_name(self) -> str:
