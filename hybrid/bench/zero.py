@@ -158,7 +158,7 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
             if it >= warmup:
                 times[name].append(dt)
             if it == warmup:
-                buckets = sum(b.numel() * b.element_size() for b in ddp._bufs) if hasattr(ddp, "_bufs") else None
+                buckets = sum(b.numel() * b.element_size() for b in ddp._buckets.flat) if hasattr(ddp, "_buckets") else None
                 memory[name] = (_state_bytes(opt), grad_bytes, buckets)
     params = list(runs["ddp_adam"][0].parameters())
     numels = [p.numel() for p in params]

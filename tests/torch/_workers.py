@@ -117,7 +117,7 @@ def _loss(out, y):
 
 MODELS = {"mlp": MLP, "structured": Structured, "heads": Heads, "conv_bn": ConvBN, "unused": Unused, "mixed": Mixed,
           "wide": lambda: MLP(width=64, depth=5),
-          # 300 x 300 weights: above DistributedDataParallel._FUSED_SCALE_NUMEL, so gradients
+          # 300 x 300 weights: above BucketBuffers.FUSED_SCALE_NUMEL, so gradients
           # are scaled while copied; biases and the small layers take the per-bucket path.
           "large": lambda: MLP(width=300, depth=3)}
 

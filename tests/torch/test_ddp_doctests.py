@@ -11,11 +11,12 @@ import hybrid.torch.ddp._auto
 import hybrid.torch.ddp._ddp
 import hybrid.torch.ddp._logging
 import hybrid.torch.ddp._parts
+import hybrid.torch.ddp.reducer._buckets
 
 
 @pytest.mark.parametrize("module", [hybrid.torch.ddp._ddp, hybrid.torch.ddp._logging, hybrid.torch.ddp._parts,
                                     hybrid.torch.ddp._auto, hybrid.torch._cost_probe, hybrid.torch._ready,
-                                    hybrid.torch._collectives])
+                                    hybrid.torch._collectives, hybrid.torch.ddp.reducer._buckets])
 def test_ddp_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from hybrid import kernels
 from hybrid.kernels import _build as kernels_build
 from hybrid.torch import DistributedDataParallel as HybridDDP
-from hybrid.torch.ddp import _ddp
+from hybrid.torch.ddp.reducer import _buckets
 
 # float32, same framework, same bucket layout, world size 1 (no reduction arithmetic): torch's
 # oracle and ours agree bit for bit; the bound is the project's float32 budget.
@@ -69,10 +69,10 @@ def test_copy_backend_decision(monkeypatch, device, env, built, expect):
     else:
         monkeypatch.setenv("HYBRID_KERNELS", env)
     if isinstance(expect, str):
-        assert _ddp._bucket_copy_backend(torch.device(device)) == expect
+        assert _buckets._bucket_copy_backend(torch.device(device)) == expect
     else:
         with pytest.raises(expect):
-            _ddp._bucket_copy_backend(torch.device(device))
+            _buckets._bucket_copy_backend(torch.device(device))
 
 
 class _Net(nn.Module):
@@ -136,7 +136,7 @@ def test_cuda_tensors_route_through_kernels(process_group, monkeypatch, case):
     ref = _train(torch.nn.parallel.DistributedDataParallel(_Net(), **kwargs), unused_steps=unused_steps)
     monkeypatch.setattr(kernels, "gather", gather)
     monkeypatch.setattr(kernels, "scatter", scatter)
-    monkeypatch.setattr(_ddp, "_bucket_copy_backend", lambda device: "cuda")
+    monkeypatch.setattr(_buckets, "_bucket_copy_backend", lambda device: "cuda")
     torch.manual_seed(0)
     ddp = HybridDDP(_Net(), **kwargs)
     if hook:
@@ -154,7 +154,7 @@ def test_cuda_tensors_route_through_kernels(process_group, monkeypatch, case):
     assert len(gathers) >= per_step
     assert {c[2] for c in gathers} == set(range(per_step))
     for _, _, b, out, scale, _ in gathers:
-        assert out.data_ptr() == ddp._bufs[b].data_ptr()
+        assert out.data_ptr() == ddp._buckets.flat[b].data_ptr()
         assert scale == (None if hook else 1.0)
     scatters = [c for c in last if c[0] == "scatter"]
     if kwargs.get("gradient_as_bucket_view"):
@@ -162,7 +162,7 @@ def test_cuda_tensors_route_through_kernels(process_group, monkeypatch, case):
     else:
         assert {c[2] for c in scatters} == set(range(per_step))
         for _, _, b, flat, scale, _ in scatters:
-            assert flat.data_ptr() == ddp._bufs[b].data_ptr() and scale is None
+            assert flat.data_ptr() == ddp._buckets.flat[b].data_ptr() and scale is None
 
 
 def test_cpu_tensors_keep_torch_copies(process_group, monkeypatch):
@@ -191,7 +191,7 @@ def test_kernels_on_gpu_match_torch_ddp(process_group, monkeypatch, case):
     ddp = HybridDDP(_Net().cuda(), **kwargs)
     if hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    assert ddp._kernel_copy
+    assert ddp._buckets.kernel_copy
     ours = _train(ddp)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)

@@ -18,10 +18,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
-from hybrid.core import BucketPlan, ddp_size_limits
-from hybrid.core._reducer_state import start_iteration
+from hybrid.core import ddp_size_limits
 from hybrid.torch.ddp._parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
-from hybrid.torch.ddp._parts import _bucket_copy_backend, _reachable_params, _reduced_parameters
+from hybrid.torch.ddp._parts import _reachable_params, _reduced_parameters
 from hybrid.torch.ddp._parts import unfinished_reduction_message
 from hybrid.torch._collectives import naming
 from hybrid.torch.ddp._api import TorchMethods, process_group_for
@@ -32,7 +31,7 @@ from hybrid.torch.ddp._join import _JoinHook
 from hybrid.torch.ddp._mixed import MixedPrecision
 from hybrid.torch.ddp._pickle import Pickling
 from hybrid.torch.ddp._sink import through_sink
-from hybrid.torch.ddp._sparse import SparseBuckets, sparse_placeholder
+from hybrid.torch.ddp._sparse import SparseBuckets
 from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES, RankAgreement
 from hybrid.torch.ddp._reducer import Reducer
 from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there (hybrid.torch.dynamo)
@@ -185,47 +184,6 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, SparseBuck
 
         self._init_reducer()
         self._setup_mixed_precision()  # after the reducer, as torch: casts, copies, its comm hook
-
-    # ---- plan and buffers -------------------------------------------------------------------
-
-    def _set_plan(self, plan: BucketPlan) -> None:
-        self.bucket_plan = plan
-        self._bufs, self._views = [], [None] * len(self._params)
-        for bucket in plan.buckets:
-            p0 = self._params[bucket.members[0]]
-            if bucket.sparse:  # reduced as the sparse gradient itself: no flat buffer, no view
-                self._bufs.append(sparse_placeholder(p0))
-                continue
-            if bucket.in_place:  # reduced where its gradient lies: _fill_bucket points at it
-                self._bufs.append(torch.empty(0, dtype=self._bucket_dtype(p0), device=p0.device))
-                continue
-            buf = torch.zeros(bucket.length, dtype=self._bucket_dtype(p0), device=p0.device)
-            self._bufs.append(buf)
-            for m, view in zip(bucket.members, self._bucket_views(bucket, buf)):
-                self._views[m] = view
-        if self._grads_in_buckets:
-            # torch's initialize_bucket_views: an existing gradient moves into the bucket.
-            for p, v in zip(self._params, self._views):
-                if p.grad is not None and v is not None:
-                    v.copy_(p.grad)
-                    p.grad = v
-        self._bucket_is_last = [b == len(plan.buckets) - 1 for b in range(len(plan.buckets))]
-        # The start state is an immutable value: every iteration on this plan starts from it.
-        self._start_state = start_iteration(plan)
-        self._scaled_in = [-1] * len(self._params)  # iteration in which a hook already scaled it
-        self._kernel_copy = _bucket_copy_backend(self.device) == "cuda" and self.mixed_precision is None
-        self._update_copy_policy()
-
-    def _bucket_views(self, bucket, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's gradient as a view into ``buf`` laid out as ``bucket`` says."""
-        return [buf[o:o + n].view(self._params[m].shape)
-                for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels)]
-
-    def _update_copy_policy(self) -> None:
-        """Which gradients the hook copies (fused with the scale) rather than ``_fill_bucket``."""
-        fuse = not (self.batched_grad_copy or self._kernel_copy or self._comm_hook is not None)
-        self._fuse_at_hook = [fuse and v is not None and p.numel() >= self._FUSED_SCALE_NUMEL
-                              for p, v in zip(self._params, self._views)]
 
     def _set_ranks(self) -> None:
         self._ranks = RankAgreement(self.process_group, self.device)
@@ -414,7 +372,7 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, SparseBuck
             names = ["register_comm_hook", "register_builtin_comm_hook"][::-1 if builtin else 1]
             raise self._logged(RuntimeError(f"{names[0]} or {names[1]} can only be called once."))
         self._comm_hook = (state, hook)
-        self._update_copy_policy()
+        self._buckets.use_comm_hook()
 
     # ---- Join -------------------------------------------------------------------------------
 

@@ -25,20 +25,20 @@ class _JoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
-        buckets = range(len(ddp._bufs))
+        buckets = range(ddp.bucket_plan.num_buckets)
         if ddp.skip_all_reduce_unused_params:
             # The ranks still training skip each bucket whose parameters all went unused: the same
             # ones on every rank (the flag's promise), so this rank's last iteration names them.
             unused = set(ddp._pending_unused)
             buckets = [b for b in buckets if not unused.issuperset(ddp.bucket_plan.buckets[b].members)]
         if ddp._comm_hook is None:
-            works = [dist.all_reduce(ddp._zero_bucket(b), group=ddp.process_group, async_op=True)
+            works = [dist.all_reduce(ddp._buckets.zero_bucket(b), group=ddp.process_group, async_op=True)
                      for b in buckets]
         else:
             # torch's _match_all_reduce_for_bwd_pass: the hook runs on zero buckets, so that a
             # hook whose collectives are not one all-reduce of the bucket (fp16 compression,
             # PowerSGD, ZeRO2's reduce-scatter) is matched collective for collective.
-            works = [ddp._run_comm_hook(b, ddp._zero_bucket(b)) for b in buckets]
+            works = [ddp._run_comm_hook(b, ddp._buckets.zero_bucket(b)) for b in buckets]
         for w in works:
             w.wait()
         if ddp.find_unused_parameters and not ddp.static_graph and not ddp.skip_all_reduce_unused_params:

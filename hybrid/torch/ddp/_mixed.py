@@ -60,7 +60,7 @@ def _allreduce_and_upcast_hook(state: weakref.ref, bucket) -> torch.futures.Futu
     ddp = state()
     buf = bucket.buffer()
     fut = dist.all_reduce(buf, group=ddp.process_group, async_op=True).get_future()
-    if buf is ddp._bufs[bucket.index()]:  # not a joined rank's zero bucket: a real backward
+    if buf is ddp._buckets.flat[bucket.index()]:  # not a joined rank's zero bucket: a real backward
         ddp._mp_restore_bucket(bucket.parameters())
     n = ddp.process_group.size()  # torch divides by the group's size, not Join's divisor
     return fut.then(lambda f: f.value()[0].div_(n))

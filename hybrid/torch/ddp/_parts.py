@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid import kernels
 from hybrid.core import TensorSpec, canonical_dtype
 from hybrid.torch.ddp._sparse import expects_sparse_gradient
 
@@ -108,19 +107,6 @@ def _reachable_params(outputs) -> set[int]:
             found.add(id(var))
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return found
-
-
-def _bucket_copy_backend(device: torch.device) -> str:
-    """``"cuda"`` when copies between gradients and buckets on ``device`` go through
-    :mod:`hybrid.kernels` (CUDA tensors, library built, unless ``HYBRID_KERNELS=reference``),
-    else ``"reference"``: torch's own (foreach) copies, as on CPU.
-
-    >>> _bucket_copy_backend(torch.device("cpu"))
-    'reference'
-    """
-    if device.type != "cuda":
-        return "reference"
-    return kernels.resolve_backend(None, on_cuda=True)
 
 
 # torch's reducer.cpp texts for a reduction that did not finish, verbatim (scripts and log

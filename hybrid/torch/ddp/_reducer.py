@@ -7,17 +7,18 @@ these methods move tensors and issue the collectives (torch's C++ ``Reducer``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Set
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from hybrid import kernels
 from hybrid.core import plan_buckets, rebuild_plan
-from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused
+from hybrid.core import BucketPlan
+from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
 from hybrid.torch._collectives import naming
 from hybrid.torch.ddp._auto import ReadyClock, plan_auto
-from hybrid.torch.ddp._parts import GradBucket, marked_twice_message
+from hybrid.torch.ddp._parts import marked_twice_message
+from hybrid.torch.ddp.reducer._buckets import BucketBuffers
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -60,10 +61,22 @@ class Reducer:
         # bucket_cap_mb="auto": the hooks time the gradients until the rebuild (hybrid/torch/ddp/_auto.py)
         self._ready_clock = ReadyClock(len(self._params), self.device) if self._auto_caps else None
         self._last_ready_s = None
+        self._buckets = BucketBuffers(self._params, self.device, bucket_dtype=self._mp_bucket_dtype,
+                                      grads_in_buckets=self._grads_in_buckets, batched_copy=self.batched_grad_copy)
         self._set_plan(plan_buckets(self._bucket_specs(), size_limits=self._initial_limits))
         self._log_construction()
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    def _set_plan(self, plan: BucketPlan) -> None:
+        self._buckets.set_plan(plan)
+        # The start state is an immutable value: every iteration on this plan starts from it.
+        self._start_state = start_iteration(plan)
+
+    @property
+    def bucket_plan(self) -> BucketPlan:
+        """The :class:`~hybrid.core.BucketPlan` in use."""
+        return self._buckets.plan
 
     def _make_hook(self, index: int):
         # The parameter holds its hook: a hook holding the DDP would make parameter -> hook -> DDP
@@ -109,12 +122,9 @@ class Reducer:
             # Behind an output the loss left out (it came through the sink with no gradient):
             # locally unused, as torch's reducer decides from an undefined .grad.
             self._undefined_now.add(index)
-        if self._fuse_at_hook[index]:
-            grad, view = param.grad, self._views[index]
+        if self._buckets.fuse_at_hook[index]:
             try:
-                if grad is not None and grad.data_ptr() != view.data_ptr():
-                    torch.mul(grad, self._inv_div, out=view)
-                    self._scaled_in[index] = self._iteration
+                self._buckets.copy_in_hook(index, param.grad, self._inv_div, self._iteration)
             except RuntimeError:
                 self._sparse_into_dense_error([index])  # a sparse gradient has no data_ptr
                 raise
@@ -161,86 +171,16 @@ class Reducer:
             reduced += 1
         object.__setattr__(self, "_num_buckets_reduced", self._num_buckets_reduced + reduced)
 
-    # From this many elements on, scaling while copying in the hook (one pass over memory, torch's
-    # mul_out) beats a batched copy and a multiply at launch; below it per-call overhead dominates.
-    _FUSED_SCALE_NUMEL = 1 << 16
-
-    def _fill_bucket(self, b: int) -> None:
-        """Bring bucket ``b``'s gradients into its buffer, divided by the world size when no comm
-        hook runs (a hook divides itself), as torch does: x * (1/n) for copied gradients (mul_out),
-        x / n for gradients already living in the bucket (``gradient_as_bucket_view``: div_)."""
-        if self.bucket_plan.buckets[b].in_place:
-            self._fill_in_place(b)
-            return
-        members = self.bucket_plan.buckets[b].members
-        params, views, it, scaled_in = self._params, self._views, self._iteration, self._scaled_in
-        dst, src, in_place = [], [], []
-        for m in members:
-            if scaled_in[m] == it:
-                continue  # copied and scaled in its hook
-            grad, view = params[m].grad, views[m]
-            if grad is None:
-                view.zero_()  # an unused parameter contributes zeros; zero stays zero
-            elif grad.data_ptr() == view.data_ptr():
-                in_place.append(view)
-            else:
-                dst.append(view)
-                src.append(grad)
-        scale = self._comm_hook is None
-        if dst:
-            if self._kernel_copy and len(dst) == len(members):
-                # One launch for the whole bucket, the scale fused in (hybrid.kernels).
-                kernels.gather(self.bucket_plan, b, [p.grad for p in params], out=self._bufs[b],
-                               scale=self._inv_div if scale else None, backend="cuda")
-                return
-            torch._foreach_copy_(dst, src)
-            if scale:
-                if len(dst) == len(members):
-                    self._bufs[b].mul_(self._inv_div)  # one op for a bucket of many small grads
-                else:
-                    torch._foreach_mul_(dst, self._inv_div)
-        if in_place and scale:
-            if len(in_place) == len(members):
-                self._bufs[b].div_(self._div_factor)
-            else:
-                torch._foreach_div_(in_place, self._div_factor)
-
-    def _fill_in_place(self, b: int) -> None:
-        """An in-place bucket (``bucket_cap_mb="auto"``): its one gradient is the buffer, scaled
-        where it lies as the copy path scales (x * (1/n), bit for bit). A gradient that is not one
-        dense contiguous block (channels_last), or none at all (unused this iteration), is
-        reduced through a flat tensor of its own and written back as a copied bucket is."""
-        bucket = self.bucket_plan.buckets[b]
-        (m,) = bucket.members
-        param, grad = self._params[m], self._params[m].grad
-        if grad is not None and grad.layout == torch.strided and grad.is_contiguous():
-            buf, view = grad.view(-1), grad
-        else:
-            buf = torch.zeros(bucket.length, dtype=self._bucket_dtype(param), device=param.device)
-            if grad is not None:
-                buf.view(param.shape).copy_(grad)
-            view = buf.view(param.shape)
-        if self._comm_hook is None:
-            buf.mul_(self._inv_div)
-        self._bufs[b], self._views[m] = buf, view
-
-    def _zero_bucket(self, b: int) -> torch.Tensor:
-        """Zeros shaped as bucket ``b``'s buffer: what a joined rank reduces in its place."""
-        bucket, buf = self.bucket_plan.buckets[b], self._bufs[b]
-        if bucket.in_place:
-            return torch.zeros(bucket.length, dtype=buf.dtype, device=buf.device)
-        return torch.zeros_like(buf)
-
     def _launch(self, b: int) -> None:
         if self.bucket_plan.buckets[b].sparse:
             self._launch_sparse(b)  # hybrid/torch/ddp/_sparse.py
             return
         try:
-            self._fill_bucket(b)
+            self._buckets.fill(b, inv_div=self._inv_div, div_factor=self._div_factor, iteration=self._iteration)
         except RuntimeError:
             self._sparse_into_dense_error(self.bucket_plan.buckets[b].members)  # no data_ptr: sparse
             raise
-        buf = self._bufs[b]
+        buf = self._buckets.flat[b]
         if self._comm_hook is None:
             fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
         else:
@@ -251,12 +191,7 @@ class Reducer:
         """The registered comm hook on bucket ``b`` with ``buf`` as its flat buffer (DDP's own
         buffer, or zeros when a joined rank shadows the others' backward)."""
         state, hook = self._comm_hook
-        spec = self.bucket_plan.buckets[b]
-        views = ([] if spec.sparse  # torch's sparse GradBucket has no per-parameter views
-                 else [self._views[m] for m in spec.members] if buf is self._bufs[b]
-                 else self._bucket_views(spec, buf))
-        bucket = GradBucket(b, buf, views, [self._params[m] for m in spec.members], self._bucket_is_last[b])
-        fut = hook(state, bucket)
+        fut = hook(state, self._buckets.grad_bucket(b, buf))
         if not isinstance(fut, torch._C.Future):  # torch.futures.Future and get_future()'s C type
             raise RuntimeError("Communication hook: callback must return a torch.futures.Future "
                                f"object, but got {type(fut).__name__}.")
@@ -288,10 +223,9 @@ class Reducer:
             if self.bucket_plan.buckets[b].sparse:
                 self._finish_sparse(b, value)  # .grad reduced in place: nothing to write back
                 continue
-            if value.data_ptr() != self._bufs[b].data_ptr():
-                self._bufs[b].copy_(value.view(-1)[: self._bufs[b].numel()])
+            self._buckets.take_result(b, value)
             if stream:
-                self._write_back(b, frozenset())
+                self._buckets.write_back(b, frozenset())
         if self._sparse_metadata is not None:
             self._sparse_metadata = None  # torch's reducer applies it to one reduction only
         globally_unused = set()
@@ -309,16 +243,12 @@ class Reducer:
         if stream or self._comm_hook_owns_grads:
             pass
         elif self._grads_in_buckets:
-            keep = globally_unused.union(*(self.bucket_plan.buckets[b].members for b in skipped))
-            for i, (p, view) in enumerate(zip(self._params, self._views)):
-                if view is None:
-                    continue  # a sparse gradient: reduced in place, never a bucket view (as torch)
-                if i not in keep and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
-                    p.grad = view
+            self._buckets.grads_to_views(globally_unused.union(*(self.bucket_plan.buckets[b].members
+                                                                 for b in skipped)))
         else:
             for b in range(len(self.bucket_plan.buckets)):
                 if b not in skipped:
-                    self._write_back(b, globally_unused)
+                    self._buckets.write_back(b, globally_unused)
         if self._last_order is None and not delayed:
             # The order the next forward rebuilds the buckets from. torch's static_graph records it
             # in its second iteration (the first one's hooks only count), the unused parameters
@@ -327,11 +257,7 @@ class Reducer:
                 tuple(i for i in state.ready_order if i not in state.unused) + tuple(sorted(state.unused)))
             if self._ready_clock is not None:
                 self._last_ready_s = self._ready_clock.times()  # of the iteration whose order it is
-        for b, bucket in enumerate(self.bucket_plan.buckets):
-            if bucket.in_place:  # hold no gradient past its iteration (the next one brings its own)
-                (m,) = bucket.members
-                buf = self._bufs[b]
-                self._bufs[b], self._views[m] = torch.empty(0, dtype=buf.dtype, device=buf.device), None
+        self._buckets.release_in_place()
         self._futures = []
         self._used_in_window.clear()
         self._undefined_now = set()
@@ -350,32 +276,6 @@ class Reducer:
     def _reduction_name(self) -> str:
         return "all-reduce" if self._comm_hook is None else "communication hook's Future"
 
-    def _write_back(self, b: int, skip: Set[int]) -> None:
-        """Reduced bucket ``b`` into its parameters' ``.grad`` (torch's copy_bucket_to_grad), in
-        one call: a kernel launch on CUDA (hybrid.kernels), a foreach copy on CPU."""
-        if self.bucket_plan.buckets[b].sparse:
-            return  # its .grad was reduced in place
-        bucket = self.bucket_plan.buckets[b]
-        params, views, members = self._params, self._views, bucket.members
-        grads = [params[m].grad for m in members]
-        if bucket.in_place and grads[0] is not None and grads[0].data_ptr() == views[members[0]].data_ptr():
-            return  # reduced where it lies
-        if (self._kernel_copy and not bucket.in_place and not skip.intersection(members)
-                and all(g is not None and g.is_contiguous() for g in grads)):
-            kernels.scatter(self.bucket_plan, b, self._bufs[b], [p.grad for p in params], backend="cuda")
-            return
-        dst, src = [], []
-        for m, g in zip(members, grads):
-            if m in skip:
-                continue
-            if g is None:
-                params[m].grad = views[m].clone()
-            else:
-                dst.append(g)
-                src.append(views[m])
-        if dst:
-            torch._foreach_copy_(dst, src)
-
     def _delay_all_reduce(self, state: ReducerState, timed: bool) -> ReducerState:
         """static_graph, first iteration: unused = no hook fired; then every bucket, in order
         (not counted in ``num_buckets_reduced``, as torch's delay_all_reduce does not count them)."""
@@ -387,7 +287,7 @@ class Reducer:
         self._static_unused = unused
         self._pending_unused = unused
         object.__setattr__(self, "_state", state)
-        for b in range(len(self._bufs)):
+        for b in range(self.bucket_plan.num_buckets):
             self._launch(b)
         if unused:
             used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)

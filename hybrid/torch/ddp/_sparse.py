@@ -45,7 +45,7 @@ def sparse_placeholder(param: torch.Tensor) -> torch.Tensor:
 class SparseBuckets:
     """Mixed into :class:`hybrid.torch.DistributedDataParallel`: launch and finish a sparse bucket.
 
-    ``self._bufs[b]`` of a sparse bucket is torch's ``bucket.gradients``: the sparse gradient last
+    ``self._buckets.flat[b]`` of a sparse bucket is torch's ``bucket.gradients``: the sparse gradient last
     launched (the parameter's ``.grad`` object itself).
     """
 
@@ -94,7 +94,7 @@ class SparseBuckets:
             fut = dist.all_reduce(grad, group=self.process_group, async_op=True).get_future()
         else:
             fut = self._run_comm_hook(b, grad)
-        self._bufs[b] = grad
+        self._buckets.flat[b] = grad
         self._futures.append(fut)
 
     def _metadata_ids(self, i: int, device) -> torch.Tensor:
@@ -106,7 +106,7 @@ class SparseBuckets:
 
     def _finish_sparse(self, b: int, value: torch.Tensor) -> None:
         """The reduced sparse bucket ``b`` into its ``.grad``, in place (torch's finalize_backward)."""
-        grad = self._bufs[b]
+        grad = self._buckets.flat[b]
         if self._sparse_metadata is not None:
             (i,) = self.bucket_plan.buckets[b].members
             ids = self._metadata_ids(i, grad.device)
