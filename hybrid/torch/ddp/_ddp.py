@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -28,7 +29,7 @@ from hybrid.torch.ddp._auto import AUTO
 from hybrid.torch.ddp._buffers import BufferSync
 from hybrid.torch.ddp._delay import DelayedAllReduce
 from hybrid.torch.ddp._join import _JoinHook
-from hybrid.torch.ddp._mixed import MixedPrecision
+from hybrid.torch.ddp._mixed import MixedPrecision, _allreduce_and_upcast_hook
 from hybrid.torch.ddp._pickle import Pickling
 from hybrid.torch.ddp._sink import through_sink
 from hybrid.torch.ddp._sparse import SparseBuckets
@@ -61,7 +62,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, SparseBuckets, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(Pickling, TorchMethods, SparseBuckets, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -170,7 +171,16 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, SparseBuck
             self._initial_limits, self._rebuild_limits = ddp_size_limits(
                 bucket_cap_bytes=None if bucket_cap_mb is None else _cap_bytes(bucket_cap_mb),
                 static_graph=static_graph, find_unused_parameters=find_unused_parameters)
-        self._init_mixed_precision(mixed_precision)  # before planning: buckets in the reduce dtype
+        # Before planning: the buckets are laid out in the reduce dtype.
+        self.mixed_precision = mixed_precision
+        self._mixed = None if mixed_precision is None else MixedPrecision(
+            mixed_precision, find_unused_parameters=find_unused_parameters)
+        # Ranks compare these settings key by key: the key is there with or without a config.
+        self._layout_settings["mixed_precision"] = None if self._mixed is None else self._mixed.layout_setting
+        # gradient_as_bucket_view's aliasing: a full-precision .grad cannot view a bucket in
+        # another dtype, so under mixed precision .grad is its own tensor (in torch too, the
+        # upcast gives it its own storage; only memory differs).
+        self._grads_in_buckets = gradient_as_bucket_view and self._mixed is None
 
         if self._delayed is not None:
             self._delayed.start(self.process_group, device_ids)
@@ -183,7 +193,10 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, SparseBuck
             self._sync_module_states(0)
 
         self._init_reducer()
-        self._setup_mixed_precision()  # after the reducer, as torch: casts, copies, its comm hook
+        if self._mixed is not None:  # after the reducer, as torch: casts, copies, its comm hook
+            self._mixed.setup(module, group=self.process_group, buckets=self._buckets, names=self._names,
+                              index_of=self._index_of)
+            self.register_comm_hook(weakref.ref(self._mixed), _allreduce_and_upcast_hook)
 
     def _set_ranks(self) -> None:
         self._ranks = RankAgreement(self.process_group, self.device)
@@ -259,13 +272,13 @@ class DistributedDataParallel(MixedPrecision, Pickling, TorchMethods, SparseBuck
         # eagerly (compiler.disable), so dynamo guards on none of its per-iteration state (the
         # iteration counter, the rebuild flag), which changed every step and recompiled each time.
         grad_sync = self._pre_forward()
-        if self.mixed_precision is not None:
-            inputs, kwargs = self._mp_pre_forward(inputs, kwargs)
+        if self._mixed is not None:
+            inputs, kwargs = self._mixed.pre_forward(inputs, kwargs, sync=self.require_backward_grad_sync)
         # Under torch.compile the module runs compiled in pieces split at the bucket boundaries
         # (hybrid/torch/dynamo/_compile.py, through ddp/_forward.py); eagerly self.module(*inputs, **kwargs).
         out = _forward.run_module(self, inputs, kwargs)
-        if self.mixed_precision is not None:
-            self._mp_post_forward()
+        if self._mixed is not None:
+            self._mixed.post_forward()
         return self._post_forward(out, grad_sync)
 
     @torch.compiler.disable

@@ -33,6 +33,8 @@ class Pickling:
     """Mixed into :class:`hybrid.torch.DistributedDataParallel`: ``__getstate__`` / ``__setstate__``."""
 
     def __getstate__(self):
+        if self._mixed is not None:
+            self._mixed.refuse_pickling()
         if not _uses_default_group(self):
             raise self._logged(RuntimeError(
                 "DDP Pickling/Unpickling are only supported when using DDP with the default process "

@@ -17,7 +17,7 @@ from hybrid.core import BucketPlan
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
 from hybrid.torch._collectives import naming
 from hybrid.torch.ddp._auto import ReadyClock, plan_auto
-from hybrid.torch.ddp._parts import marked_twice_message
+from hybrid.torch.ddp._parts import marked_twice_message, specs
 from hybrid.torch.ddp.reducer._buckets import BucketBuffers
 
 
@@ -61,9 +61,13 @@ class Reducer:
         # bucket_cap_mb="auto": the hooks time the gradients until the rebuild (hybrid/torch/ddp/_auto.py)
         self._ready_clock = ReadyClock(len(self._params), self.device) if self._auto_caps else None
         self._last_ready_s = None
-        self._buckets = BucketBuffers(self._params, self.device, bucket_dtype=self._mp_bucket_dtype,
+        bucket_specs = specs(self.module, self.parameters_to_ignore)
+        if self._mixed is not None:
+            bucket_specs = self._mixed.bucket_specs(bucket_specs)
+        self._buckets = BucketBuffers(self._params, self.device,
+                                      bucket_dtype=None if self._mixed is None else self._mixed.bucket_dtype,
                                       grads_in_buckets=self._grads_in_buckets, batched_copy=self.batched_grad_copy)
-        self._set_plan(plan_buckets(self._bucket_specs(), size_limits=self._initial_limits))
+        self._set_plan(plan_buckets(bucket_specs, size_limits=self._initial_limits))
         self._log_construction()
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -305,7 +309,7 @@ class Reducer:
         if self._auto_caps:
             plan, self._auto_report = plan_auto(
                 self._ranks, self.bucket_plan.specs, order, self._last_ready_s, collectives=self._auto_collectives,
-                in_place=not self._grads_in_buckets and self.mixed_precision is None)
+                in_place=not self._grads_in_buckets and self._mixed is None)
             self._ready_clock = None  # the times are in; the hooks stop reading the clock
         else:
             plan = rebuild_plan(self.bucket_plan, order, size_limits=self._rebuild_limits)
