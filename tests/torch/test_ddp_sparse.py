@@ -20,7 +20,7 @@ from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds, _free_port, side_by_si
 from test_ddp_logging import assert_error_logged_like_torch  # noqa: E402
 from test_ddp_logging import assert_like_torch as assert_logging_like_torch  # noqa: E402
 
-import hybrid.torch.ddp._sparse  # noqa: E402
+import hybrid.torch.ddp.reducer._sparse  # noqa: E402
 from hybrid.torch import DistributedDataParallel  # noqa: E402
 
 TRAINING = ["plain", "find_unused", "view", "view_find_unused", "static", "small_caps", "hook",
@@ -185,5 +185,5 @@ def test_compiled_ddp_with_a_sparse_table_matches_eager_torch(world_of_one):
 
 
 def test_sparse_doctests():
-    result = doctest.testmod(hybrid.torch.ddp._sparse)
+    result = doctest.testmod(hybrid.torch.ddp.reducer._sparse)
     assert result.attempted > 0 and result.failed == 0

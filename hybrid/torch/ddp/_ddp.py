@@ -32,7 +32,6 @@ from hybrid.torch.ddp._join import _JoinHook
 from hybrid.torch.ddp._mixed import MixedPrecision, _allreduce_and_upcast_hook
 from hybrid.torch.ddp._pickle import Pickling
 from hybrid.torch.ddp._sink import through_sink
-from hybrid.torch.ddp._sparse import SparseBuckets
 from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES, RankAgreement
 from hybrid.torch.ddp._reducer import Reducer
 from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there (hybrid.torch.dynamo)
@@ -62,7 +61,7 @@ def _cap_bytes(mb: float) -> int:
     return sys.maxsize if mb < 0 else int(mb * _MB)
 
 
-class DistributedDataParallel(Pickling, TorchMethods, SparseBuckets, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -386,6 +385,11 @@ class DistributedDataParallel(Pickling, TorchMethods, SparseBuckets, Reducer, nn
             raise self._logged(RuntimeError(f"{names[0]} or {names[1]} can only be called once."))
         self._comm_hook = (state, hook)
         self._buckets.use_comm_hook()
+
+    def _set_sparse_metadata(self, global_unique_ids) -> None:
+        """torch's: per sparse parameter name, the sorted ids of the rows that exist globally, for
+        the next synchronizing backward (hybrid/torch/ddp/reducer/_sparse.py)."""
+        self._sparse.set_metadata(global_unique_ids)
 
     # ---- Join -------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.core import TensorSpec, canonical_dtype
-from hybrid.torch.ddp._sparse import expects_sparse_gradient
+from hybrid.torch.ddp.reducer._sparse import expects_sparse_gradient
 
 
 def _reduced_with_owners(module: nn.Module, ignore=frozenset()) -> list[tuple[str, nn.Parameter, nn.Module]]:

@@ -17,7 +17,7 @@ _DROPPED = frozenset({
     "process_group", "_ranks", "_div_factor", "_inv_div", "_index_of", "_iteration", "_delaying",
     "_comm_hook", "_has_rebuilt", "_last_order", "_expect_hooks", "_state", "_start_state",
     "_static_unused", "_static_globally_unused", "_futures", "_used_work", "_local_used",
-    "_pending_unused", "_used_in_window", "_undefined_now", "_buckets", "_sparse_metadata", "_installed_futures",
+    "_pending_unused", "_used_in_window", "_undefined_now", "_buckets", "_sparse", "_installed_futures",
     "logger", "_num_buckets_reduced", "_graph_static", "_prev_unused", "_ready_clock", "_last_ready_s",
     "_auto_report"})
 

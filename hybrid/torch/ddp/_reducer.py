@@ -19,6 +19,7 @@ from hybrid.torch._collectives import naming
 from hybrid.torch.ddp._auto import ReadyClock, plan_auto
 from hybrid.torch.ddp._parts import marked_twice_message, specs
 from hybrid.torch.ddp.reducer._buckets import BucketBuffers
+from hybrid.torch.ddp.reducer._sparse import SparseBuckets, refuse_sparse_in_dense
 
 
 def _hook_tensor(value, b: int) -> torch.Tensor:
@@ -64,6 +65,7 @@ class Reducer:
         bucket_specs = specs(self.module, self.parameters_to_ignore)
         if self._mixed is not None:
             bucket_specs = self._mixed.bucket_specs(bucket_specs)
+        self._sparse = SparseBuckets(self._params, self._names)
         self._buckets = BucketBuffers(self._params, self.device,
                                       bucket_dtype=None if self._mixed is None else self._mixed.bucket_dtype,
                                       grads_in_buckets=self._grads_in_buckets, batched_copy=self.batched_grad_copy)
@@ -130,7 +132,7 @@ class Reducer:
             try:
                 self._buckets.copy_in_hook(index, param.grad, self._inv_div, self._iteration)
             except RuntimeError:
-                self._sparse_into_dense_error([index])  # a sparse gradient has no data_ptr
+                refuse_sparse_in_dense(self._params, self._names, [index])  # a sparse gradient has no data_ptr
                 raise
         try:
             state, launch = mark_ready(state, index)
@@ -177,18 +179,30 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         if self.bucket_plan.buckets[b].sparse:
-            self._launch_sparse(b)  # hybrid/torch/ddp/_sparse.py
+            self._launch_sparse(b)
             return
         try:
             self._buckets.fill(b, inv_div=self._inv_div, div_factor=self._div_factor, iteration=self._iteration)
         except RuntimeError:
-            self._sparse_into_dense_error(self.bucket_plan.buckets[b].members)  # no data_ptr: sparse
+            refuse_sparse_in_dense(self._params, self._names, self.bucket_plan.buckets[b].members)  # no data_ptr
             raise
         buf = self._buckets.flat[b]
         if self._comm_hook is None:
             fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
         else:
             fut = self._run_comm_hook(b, buf)
+        self._futures.append(fut)
+
+    def _launch_sparse(self, b: int) -> None:
+        """torch's ``mark_variable_ready_sparse`` then ``all_reduce_bucket`` for sparse bucket ``b``:
+        the gradient itself, divided by the world size in place, all-reduced as a sparse tensor."""
+        grad = self._sparse.gradient(self.bucket_plan.buckets[b].members[0], self._logged)
+        if self._comm_hook is None:
+            grad.div_(self._div_factor)
+            fut = dist.all_reduce(grad, group=self.process_group, async_op=True).get_future()
+        else:
+            fut = self._run_comm_hook(b, grad)
+        self._buckets.flat[b] = grad
         self._futures.append(fut)
 
     def _run_comm_hook(self, b: int, buf: torch.Tensor):
@@ -225,13 +239,13 @@ class Reducer:
                 value = fut.wait()
             value = _hook_tensor(value, b)
             if self.bucket_plan.buckets[b].sparse:
-                self._finish_sparse(b, value)  # .grad reduced in place: nothing to write back
+                # .grad reduced in place: nothing to write back
+                self._sparse.finish(self.bucket_plan.buckets[b].members[0], self._buckets.flat[b], value, self._logged)
                 continue
             self._buckets.take_result(b, value)
             if stream:
                 self._buckets.write_back(b, frozenset())
-        if self._sparse_metadata is not None:
-            self._sparse_metadata = None  # torch's reducer applies it to one reduction only
+        self._sparse.end_reduction()
         globally_unused = set()
         if unused and self._static_globally_unused is not None:
             globally_unused = self._static_globally_unused

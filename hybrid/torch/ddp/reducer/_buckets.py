@@ -17,7 +17,7 @@ import torch
 from hybrid import kernels
 from hybrid.core import Bucket, BucketPlan
 from hybrid.torch.ddp._parts import GradBucket
-from hybrid.torch.ddp._sparse import sparse_placeholder
+from hybrid.torch.ddp.reducer._sparse import sparse_placeholder
 
 
 def _bucket_copy_backend(device: torch.device) -> str:

@@ -10,10 +10,9 @@ in place. ``gradient_as_bucket_view`` does not apply to it; a comm hook sees the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 _NOT_SPARSE_HINT = ("only the weights of nn.Embedding / nn.EmbeddingBag modules built with sparse=True "
@@ -42,16 +41,34 @@ def sparse_placeholder(param: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
 
 
-class SparseBuckets:
-    """Mixed into :class:`hybrid.torch.DistributedDataParallel`: launch and finish a sparse bucket.
+def refuse_sparse_in_dense(params, names, members) -> None:
+    """Raise torch's error, naming the parameter, when a member of a dense bucket got a sparse
+    gradient (what a copy into the bucket failed on: a sparse tensor has no storage to read)."""
+    for m in members:
+        grad = params[m].grad
+        if grad is not None and grad.layout != torch.strided:
+            raise NotImplementedError(
+                f"Cannot access storage of SparseTensorImpl (parameter {names[m]!r} received a "
+                f"{grad.layout} gradient, but DistributedDataParallel expects a dense one: "
+                f"{_NOT_SPARSE_HINT})")
 
-    ``self._buckets.flat[b]`` of a sparse bucket is torch's ``bucket.gradients``: the sparse gradient last
-    launched (the parameter's ``.grad`` object itself).
+
+class SparseBuckets:
+    """The sparse gradients of one reducer, each a bucket of its own.
+
+    Owns ``metadata`` (torch's ``_set_sparse_metadata``: per sparse parameter name, the sorted
+    ids of the rows that exist globally; applied to one reduction only, and not pickled). The
+    reducer calls :meth:`gradient` when a sparse bucket is ready (the tensor it reduces: the
+    bucket's ``flat`` entry, torch's ``bucket.gradients``) and :meth:`finish` with the reduced
+    value. Errors torch's reducer logs are raised through ``logged`` (the reducer's: it records
+    them in the DDP's logging data).
     """
 
-    _sparse_metadata: dict[str, torch.Tensor] | None = None  # torch's reducer forgets it on pickling
+    def __init__(self, params: list[torch.Tensor], names: list[str]):
+        self._params, self._names = params, names
+        self.metadata: dict[str, torch.Tensor] | None = None
 
-    def _set_sparse_metadata(self, global_unique_ids: Mapping[str, torch.Tensor]) -> None:
+    def set_metadata(self, global_unique_ids: Mapping[str, torch.Tensor]) -> None:
         """torch's ``_set_sparse_metadata``: per sparse parameter name, the sorted ids of the rows
         that exist globally. A sparse gradient's row indices are then replaced by their positions
         in those ids before the comm hook; after it, the hook's result is taken as dense values,
@@ -66,62 +83,51 @@ class SparseBuckets:
             raise TypeError("_set_sparse_metadata(): incompatible function arguments. The following argument "
                             "types are supported:\n    1. (global_unique_ids: Mapping[str, torch.Tensor]) -> None"
                             f"\n\nInvoked with: {global_unique_ids!r:.200}")
-        self._sparse_metadata = dict(global_unique_ids)
+        self.metadata = dict(global_unique_ids)
 
-    def _launch_sparse(self, b: int) -> None:
-        """torch's ``mark_variable_ready_sparse`` then ``all_reduce_bucket`` for sparse bucket ``b``."""
-        (i,) = self.bucket_plan.buckets[b].members
+    def gradient(self, i: int, logged: Callable[[Exception], Exception]) -> torch.Tensor:
+        """Parameter ``i``'s sparse gradient as it is reduced (torch's ``mark_variable_ready_sparse``):
+        its ``.grad``, checked, with its rows renumbered by the metadata if any."""
         param = self._params[i]
         grad = param.grad
         if grad is None:
-            raise self._logged(RuntimeError(
+            raise logged(RuntimeError(
                 f"Expected sparse gradient to be defined. (parameter {self._names[i]!r} got no gradient "
                 "in this iteration: DistributedDataParallel cannot reduce an unused sparse parameter; "
                 "use it on every rank in every iteration, or build its module with sparse=False)"))
         if grad.layout != torch.sparse_coo:
-            raise self._logged(RuntimeError(
+            raise logged(RuntimeError(
                 f"Expected variable to have sparse gradient. (parameter {self._names[i]!r} belongs to a "
                 f"module with sparse=True but received a {grad.layout} gradient: it is used outside its "
                 "embedding lookup, e.g. shared with another layer; build that module with sparse=False)"))
-        if self._sparse_metadata is not None:
+        if self.metadata is not None:
             # Row ids become positions in the global ids; the gradient is replaced (torch's too).
             grad = grad.coalesce()
-            positions = torch.searchsorted(self._metadata_ids(i, grad.device), grad.indices(),
+            positions = torch.searchsorted(self._metadata_ids(i, grad.device, logged), grad.indices(),
                                            out_int32=False, right=False)
             grad = param.grad = torch.sparse_coo_tensor(positions, grad.values(), grad.size())
-        if self._comm_hook is None:
-            grad.div_(self._div_factor)
-            fut = dist.all_reduce(grad, group=self.process_group, async_op=True).get_future()
-        else:
-            fut = self._run_comm_hook(b, grad)
-        self._buckets.flat[b] = grad
-        self._futures.append(fut)
+        return grad
 
-    def _metadata_ids(self, i: int, device) -> torch.Tensor:
+    def _metadata_ids(self, i: int, device, logged) -> torch.Tensor:
         """Parameter ``i``'s global ids as a ``(1, K)`` int64 tensor (torch's sparse_tensor_indices)."""
-        ids = self._sparse_metadata.get(self._names[i])
+        ids = self.metadata.get(self._names[i])
         if ids is None:
-            raise self._logged(RuntimeError(f"param: {self._names[i]} not found in sparse metadata"))
+            raise logged(RuntimeError(f"param: {self._names[i]} not found in sparse metadata"))
         return ids.to(torch.long).unsqueeze(0).to(device)
 
-    def _finish_sparse(self, b: int, value: torch.Tensor) -> None:
-        """The reduced sparse bucket ``b`` into its ``.grad``, in place (torch's finalize_backward)."""
-        grad = self._buckets.flat[b]
-        if self._sparse_metadata is not None:
-            (i,) = self.bucket_plan.buckets[b].members
-            ids = self._metadata_ids(i, grad.device)
+    def finish(self, i: int, grad: torch.Tensor, value: torch.Tensor,
+               logged: Callable[[Exception], Exception]) -> None:
+        """The reduced ``value`` of parameter ``i``'s sparse ``grad`` (the tensor :meth:`gradient`
+        gave) into that ``.grad``, in place (torch's finalize_backward)."""
+        if self.metadata is not None:
+            ids = self._metadata_ids(i, grad.device, logged)
             if ids.numel() != grad.size(0):
-                raise self._logged(RuntimeError("Sparse metadata and gradient size mismatch"))
+                raise logged(RuntimeError("Sparse metadata and gradient size mismatch"))
             value = torch.sparse_coo_tensor(ids, value, grad.size())
         if value is not grad:
             grad.copy_(value)
 
-    def _sparse_into_dense_error(self, members) -> None:
-        """Raise torch's error, naming the parameter, when a dense bucket member got a sparse gradient."""
-        for m in members:
-            grad = self._params[m].grad
-            if grad is not None and grad.layout != torch.strided:
-                raise NotImplementedError(
-                    f"Cannot access storage of SparseTensorImpl (parameter {self._names[m]!r} received a "
-                    f"{grad.layout} gradient, but DistributedDataParallel expects a dense one: "
-                    f"{_NOT_SPARSE_HINT})")
+    def end_reduction(self) -> None:
+        """Every bucket is in: the metadata has served (torch's reducer applies it to one
+        reduction only)."""
+        self.metadata = None
