@@ -158,7 +158,9 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
             if it >= warmup:
                 times[name].append(dt)
             if it == warmup:
-                buckets = sum(b.numel() * b.element_size() for b in ddp._buckets.flat) if hasattr(ddp, "_buckets") else None
+                # hybrid's DDP: its bucket buffers (torch's keeps them in its C++ reducer)
+                buckets = (sum(b.numel() * b.element_size() for b in ddp._reducer.buckets.flat)
+                           if hasattr(ddp, "_reducer") else None)
                 memory[name] = (_state_bytes(opt), grad_bytes, buckets)
     params = list(runs["ddp_adam"][0].parameters())
     numels = [p.numel() for p in params]

@@ -76,7 +76,7 @@ def train(world, mode, rank, port, out):
         result = {"grads": grads, "params": params, "plan": plan.dumps(), "fingerprint": plan.fingerprint(),
                   "in_place": sum(b.in_place for b in plan.buckets), "buckets": plan.bucket_indices(),
                   "report": None if report is None else {k: report[k] for k in ("ready_order", "ready_s")},
-                  "mine": ours._last_ready_s}
+                  "mine": ours._reducer.rebuild.last_ready_s}
         if mode == "disagree":  # what the plan must be: rank 0's order, the slowest rank's times
             result["expected"] = auto_plan(plan.specs, report["ready_order"], report["ready_s"], MODEL,
                                            copy=COPY).fingerprint()

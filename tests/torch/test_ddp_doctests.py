@@ -7,16 +7,22 @@ import pytest
 import hybrid.torch._collectives
 import hybrid.torch._cost_probe
 import hybrid.torch._ready
+import hybrid.torch.ddp._args
 import hybrid.torch.ddp._auto
 import hybrid.torch.ddp._ddp
+import hybrid.torch.ddp._hooks
 import hybrid.torch.ddp._logging
 import hybrid.torch.ddp._parts
 import hybrid.torch.ddp.reducer._buckets
+import hybrid.torch.ddp.reducer._messages
+import hybrid.torch.ddp.reducer._unused
 
 
 @pytest.mark.parametrize("module", [hybrid.torch.ddp._ddp, hybrid.torch.ddp._logging, hybrid.torch.ddp._parts,
-                                    hybrid.torch.ddp._auto, hybrid.torch._cost_probe, hybrid.torch._ready,
-                                    hybrid.torch._collectives, hybrid.torch.ddp.reducer._buckets])
+                                    hybrid.torch.ddp._auto, hybrid.torch.ddp._args, hybrid.torch.ddp._hooks,
+                                    hybrid.torch.ddp.reducer._buckets, hybrid.torch.ddp.reducer._messages,
+                                    hybrid.torch.ddp.reducer._unused, hybrid.torch._cost_probe, hybrid.torch._ready,
+                                    hybrid.torch._collectives])
 def test_ddp_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -154,7 +154,7 @@ def test_cuda_tensors_route_through_kernels(process_group, monkeypatch, case):
     assert len(gathers) >= per_step
     assert {c[2] for c in gathers} == set(range(per_step))
     for _, _, b, out, scale, _ in gathers:
-        assert out.data_ptr() == ddp._buckets.flat[b].data_ptr()
+        assert out.data_ptr() == ddp._reducer.buckets.flat[b].data_ptr()
         assert scale == (None if hook else 1.0)
     scatters = [c for c in last if c[0] == "scatter"]
     if kwargs.get("gradient_as_bucket_view"):
@@ -162,7 +162,7 @@ def test_cuda_tensors_route_through_kernels(process_group, monkeypatch, case):
     else:
         assert {c[2] for c in scatters} == set(range(per_step))
         for _, _, b, flat, scale, _ in scatters:
-            assert flat.data_ptr() == ddp._buckets.flat[b].data_ptr() and scale is None
+            assert flat.data_ptr() == ddp._reducer.buckets.flat[b].data_ptr() and scale is None
 
 
 def test_cpu_tensors_keep_torch_copies(process_group, monkeypatch):
@@ -191,7 +191,7 @@ def test_kernels_on_gpu_match_torch_ddp(process_group, monkeypatch, case):
     ddp = HybridDDP(_Net().cuda(), **kwargs)
     if hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    assert ddp._buckets.kernel_copy
+    assert ddp._reducer.buckets.kernel_copy
     ours = _train(ddp)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)

@@ -53,7 +53,7 @@ def test_ddp_over_nccl_matches_torch(nccl_group, case):
     if hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     # with the library built, CUDA buckets go through the kernels; without it, torch's copies
-    assert ddp._buckets.kernel_copy == kernels.available()
+    assert ddp._reducer.buckets.kernel_copy == kernels.available()
     _assert_same(_train(ddp, steps=5, unused_steps=unused_steps), ref)
 
 

@@ -155,7 +155,7 @@ def test_sparse_parameter_alone_in_its_bucket_without_a_flat_buffer(world_of_one
     plan = ddp.bucket_plan
     sparse = [b for b in plan.buckets if b.sparse]
     assert sorted(b.members for b in sparse) == [(0,), (1,)]
-    assert all(ddp._buckets.flat[plan.buckets.index(b)].is_sparse for b in sparse)
+    assert all(ddp._reducer.buckets.flat[plan.buckets.index(b)].is_sparse for b in sparse)
     assert not any(b.sparse for b in plan.buckets if b.members[0] not in (0, 1))
 
 

@@ -1,14 +1,15 @@
 """A drop-in ``torch.nn.parallel.DistributedDataParallel`` whose buckets come from hybrid.core.
 
-The layout (bucket membership, offsets, rebuild) is decided by ``hybrid.core``; the per-iteration
-bookkeeping is ``hybrid.core._reducer_state``; this module only moves tensors and issues
-``torch.distributed`` collectives.
+The class is a shell: torch's constructor, methods, attributes and hook protocol, over parts it
+holds as objects (hybrid/torch/ddp/__init__.py lists them and what each owns). The layout (bucket
+membership, offsets, rebuild) is decided by ``hybrid.core``; the per-iteration bookkeeping is
+``hybrid.core._reducer_state``; the parts move tensors and issue ``torch.distributed`` collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -17,51 +18,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.utils import _to_kwargs
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
-from hybrid.core import ddp_size_limits
-from hybrid.torch.ddp._parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
-from hybrid.torch.ddp._parts import _reachable_params, _reduced_parameters
-from hybrid.torch.ddp._parts import unfinished_reduction_message
+from hybrid.core import BucketPlan
 from hybrid.torch._collectives import naming
-from hybrid.torch.ddp._api import TorchMethods, process_group_for
-from hybrid.torch.ddp._auto import AUTO
+from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there (hybrid.torch.dynamo)
+from hybrid.torch.ddp._args import bucket_layout, buffer_sync_flags, check_torch_args, module_device, process_group_for
 from hybrid.torch.ddp._buffers import BufferSync
 from hybrid.torch.ddp._delay import DelayedAllReduce
+from hybrid.torch.ddp._hooks import builtin_hook, register_fused_optim
 from hybrid.torch.ddp._join import _JoinHook
+from hybrid.torch.ddp._logging import DDPLogger, bucket_cap_bytes
 from hybrid.torch.ddp._mixed import MixedPrecision, _allreduce_and_upcast_hook
-from hybrid.torch.ddp._pickle import Pickling
+from hybrid.torch.ddp._parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
+from hybrid.torch.ddp._parts import _reduced_parameters
 from hybrid.torch.ddp._sink import through_sink
-from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES, RankAgreement
-from hybrid.torch.ddp._reducer import Reducer
-from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there (hybrid.torch.dynamo)
+from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES, RankAgreement, is_default_group
+from hybrid.torch.ddp.reducer import Reducer
 
-_MB = 1024 * 1024
-
-
-def _check_auto(bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters, static_graph) -> bool:
-    """Whether ``bucket_cap_mb`` asks for hybrid's auto plan; a clear error where it cannot apply."""
-    if not isinstance(bucket_cap_mb, str):
-        return False
-    if bucket_cap_mb != AUTO:
-        raise ValueError(f"bucket_cap_mb must be a number of MB or 'auto', got {bucket_cap_mb!r}")
-    if bucket_cap_mb_list:
-        raise ValueError(f"bucket_cap_mb='auto' plans every bucket itself; it cannot be combined with "
-                         f"bucket_cap_mb_list={bucket_cap_mb_list!r}")
-    if find_unused_parameters and not static_graph:
-        raise ValueError("bucket_cap_mb='auto' plans from the gradients' order and times in the first iteration, "
-                         "which DDP rebuilds its buckets from only without find_unused_parameters=True (or with "
-                         "static_graph=True); drop one of them")
-    return True
+# Not pickled (torch drops its process group, reducer and logger too): made anew on load against
+# the default group. _index_of holds the parameters' ids, which a copy does not share.
+_MADE_ON_LOAD = frozenset({"process_group", "_ranks", "_reducer", "logger", "_index_of"})
 
 
-def _cap_bytes(mb: float) -> int:
-    """A bucket cap in MB as bytes; a negative cap means unlimited, as in torch (its C++ reads
-    the negative byte count as a huge unsigned size: one bucket per dtype and device)."""
-    return sys.maxsize if mb < 0 else int(mb * _MB)
-
-
-class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
 
     Same constructor; ``bucket_plan`` is the :class:`~hybrid.core.BucketPlan` in use (the initial
@@ -78,6 +60,12 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
     >>> dist.destroy_process_group()
     """
 
+    # torch's own static helpers, unchanged: they mark and read ``_ddp_ignored`` on the module's
+    # tensors and ``_ddp_params_and_buffers_to_ignore`` on the module, which ours honours too.
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(
+        _TorchDDP._set_params_and_buffers_to_ignore_for_model)
+    _get_data_parallel_params = staticmethod(_TorchDDP._get_data_parallel_params)
+
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
                  init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
@@ -86,12 +74,7 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None):
         super().__init__()
         Joinable.__init__(self)
-        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
-            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
-                             "need to be set at the same time.")
-        if check_reduction:
-            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
-                          "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
+        check_torch_args(delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
         self.process_group = process_group_for(process_group, device_mesh, module)
         if device_mesh is not None:
             self.device_mesh = device_mesh
@@ -101,105 +84,86 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
         self._delayed = DelayedAllReduce(delayed, param_to_hook_all_reduce) if delayed else None
         self.parameters_to_ignore.update(name for name, _ in delayed)
         named = _reduced_parameters(module, self.parameters_to_ignore)
-        # torch's: no reducer, and the forward only runs the module
-        self._delay_all_reduce_all_params = bool(delayed) and not named
         if not named and not delayed:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
-        # torch's: every parameter not ignored (frozen ones too) decides the device.
-        module_params = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        device_types = {p.device.type for p in module_params}
-        if len(device_types) != 1:
-            raise ValueError("DistributedDataParallel's input module must be on the same type of devices, "
-                             f"but input module parameters locate in {device_types}.")
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError("device_ids can only be None or contain a single element.")
-        if next(iter(device_types)) == "cpu" and (device_ids or output_device):
-            raise ValueError("DistributedDataParallel device_ids and output_device arguments only work "
-                             "with single-device/multiple-device GPU modules or CPU modules, but got "
-                             f"device_ids {device_ids}, output_device {output_device}, and module "
-                             f"parameters { {p.device for p in module_params} }.")
+        self.device = module_device([p for n, p in module.named_parameters() if n not in self.parameters_to_ignore],
+                                    device_ids, output_device)
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device if output_device is not None else (device_ids[0] if device_ids else None)
         self.module = module
         self.dim = dim
-        self.device = module_params[0].device
-        if broadcast_buffers is not None and forward_sync_buffers is not None:
-            warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
-                          "`broadcast_buffers` is deprecated and its value is ignored when "
-                          "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=2)
-        elif broadcast_buffers is not None:
-            warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
-                          "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` "
-                          "still syncs buffers at init.", FutureWarning, stacklevel=2)
-        if forward_sync_buffers is not None:
-            self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
-        else:
-            self.forward_sync_buffers = init_sync_buffers = broadcast_buffers is None or bool(broadcast_buffers)
+        self.forward_sync_buffers, init_sync_buffers = buffer_sync_flags(broadcast_buffers, forward_sync_buffers)
         self.broadcast_buffers = self.forward_sync_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        # The user promises the same unused parameters on every rank: the used map stays local.
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-
+        self.batched_grad_copy = batched_grad_copy
+        self._ddp_sink_clone = True
+        # What this DDP reduces, in torch's registration order: read by ZeRO2, ZeRO3Optimizer's
+        # checkpoints and hybrid.torch.dynamo.
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._buffer_sync = BufferSync(module, self.parameters_to_ignore)
-        self._set_ranks()
-        self._divide_by_initial_world_size = True
-        self.batched_grad_copy = batched_grad_copy
+        self._ranks = RankAgreement(self.process_group, self.device)
+        self._divide_by_initial_world_size = True  # Join's; its hook sets it
         self._init_sync_buffers = init_sync_buffers
 
-        # bucket_cap_mb="auto": hybrid's own, opt-in; torch's numbers keep torch's meaning.
-        self._auto_caps = _check_auto(bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters, static_graph)
-        if self._auto_caps:
-            bucket_cap_mb = None  # the initial plan, and anything that asks for caps, gets torch's defaults
         # What decides the bucket layout, as the user spelled it: ranks must agree on it.
-        self._layout_settings = {"bucket_cap_mb": AUTO if self._auto_caps else bucket_cap_mb,
-                                 "bucket_cap_mb_list": bucket_cap_mb_list,
-                                 "find_unused_parameters": bool(find_unused_parameters),
-                                 "static_graph": bool(static_graph)}
-        if bucket_cap_mb_list:
-            caps = tuple(_cap_bytes(mb) for mb in bucket_cap_mb_list)
-            self._initial_limits, self._rebuild_limits = ddp_size_limits(
-                bucket_caps_bytes=caps, static_graph=static_graph, find_unused_parameters=find_unused_parameters)
-        else:
-            self._initial_limits, self._rebuild_limits = ddp_size_limits(
-                bucket_cap_bytes=None if bucket_cap_mb is None else _cap_bytes(bucket_cap_mb),
-                static_graph=static_graph, find_unused_parameters=find_unused_parameters)
+        self._auto_caps, self._layout_settings, self._initial_limits, self._rebuild_limits = bucket_layout(
+            bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters=find_unused_parameters, static_graph=static_graph)
         # Before planning: the buckets are laid out in the reduce dtype.
         self.mixed_precision = mixed_precision
         self._mixed = None if mixed_precision is None else MixedPrecision(
             mixed_precision, find_unused_parameters=find_unused_parameters)
-        # Ranks compare these settings key by key: the key is there with or without a config.
         self._layout_settings["mixed_precision"] = None if self._mixed is None else self._mixed.layout_setting
-        # gradient_as_bucket_view's aliasing: a full-precision .grad cannot view a bucket in
-        # another dtype, so under mixed precision .grad is its own tensor (in torch too, the
-        # upcast gives it its own storage; only memory differs).
-        self._grads_in_buckets = gradient_as_bucket_view and self._mixed is None
 
+        self._reducer: Reducer | None = None
+        self.logger: DDPLogger | None = None  # torch's: None where no reducer is built
+        # Every parameter delayed: torch's builds no reducer, and its forward only runs the module.
+        self._delay_all_reduce_all_params = not named
         if self._delayed is not None:
             self._delayed.start(self.process_group, device_ids)
             if self._delay_all_reduce_all_params:
                 return
-
         if init_sync:
             self._ranks.verify_same_model(self._names, self._params, self._layout_settings)
-            self._init_sync_buffers = init_sync_buffers
             self._sync_module_states(0)
-
         self._init_reducer()
         if self._mixed is not None:  # after the reducer, as torch: casts, copies, its comm hook
-            self._mixed.setup(module, group=self.process_group, buckets=self._buckets, names=self._names,
+            self._mixed.setup(module, group=self.process_group, buckets=self._reducer.buckets, names=self._names,
                               index_of=self._index_of)
             self.register_comm_hook(weakref.ref(self._mixed), _allreduce_and_upcast_hook)
 
-    def _set_ranks(self) -> None:
-        self._ranks = RankAgreement(self.process_group, self.device)
-        self._set_div_factor(self._ranks.world)
+    def _init_reducer(self) -> None:
+        """A fresh reducer and its logger (torch's ``_ddp_init_helper``; also what unpickling runs)."""
+        bucket_specs = specs(self.module, self.parameters_to_ignore)
+        if self._mixed is not None:
+            bucket_specs = self._mixed.bucket_specs(bucket_specs)
+        self.logger = DDPLogger()
+        self._reducer = Reducer(
+            self._params, self._names, bucket_specs, ranks=self._ranks, logger=self.logger,
+            layout_settings=self._layout_settings,
+            bucket_dtype=None if self._mixed is None else self._mixed.bucket_dtype,
+            # gradient_as_bucket_view's aliasing: a full-precision .grad cannot view a bucket in
+            # another dtype, so under mixed precision .grad is its own tensor (in torch too, the
+            # upcast gives it its own storage; only memory differs).
+            grads_in_buckets=self.gradient_as_bucket_view and self._mixed is None,
+            batched_grad_copy=self.batched_grad_copy, find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph, skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            auto=self._auto_caps, initial_limits=self._initial_limits, rebuild_limits=self._rebuild_limits)
+        self.logger.set_construction_data(
+            module_name=type(self.module).__name__, device_ids=self.device_ids, output_device=self.output_device,
+            broadcast_buffers=self.forward_sync_buffers,
+            has_sync_bn=any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules()),
+            static_graph=self.static_graph, process_group=self.process_group, params=self._params,
+            bucket_sizes=self._reducer.buckets.param_bytes()[0],
+            bucket_cap_bytes=bucket_cap_bytes(self._layout_settings),
+            find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view)
 
     def _sync_module_states(self, src: int) -> None:
         """torch's _sync_module_states: parameters (and buffers) from ``src`` to every rank."""
@@ -211,54 +175,6 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
         if tensors:
             self._ranks.broadcast(tensors, src, f"DistributedDataParallel: the broadcast of rank {src}'s parameters "
                                   "and buffers")
-
-    def _set_div_factor(self, n: int) -> None:
-        self._div_factor, self._inv_div = n, 1.0 / n
-
-    # ---- buffers (torch's names) -------------------------------------------------------------
-
-    @property
-    def named_module_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers DDP syncs, by name, as the module held them at the last sync (torch's)."""
-        return self._buffer_sync.named
-
-    @property
-    def modules_buffers(self) -> list[torch.Tensor]:
-        """torch's name for the buffers DDP syncs."""
-        return self._buffer_sync.buffers
-
-    @property
-    def buffer_hook(self):
-        """The registered buffer comm hook (torch's attribute; absent until one is registered)."""
-        if self._buffer_sync.hook is None:
-            raise AttributeError("buffer_hook")  # nn.Module's __getattr__ words it as torch's
-        return self._buffer_sync.hook
-
-    def _register_buffer_comm_hook(self, state, hook, comm_hook_location=_BufferCommHookLocation.POST_FORWARD):
-        """Run ``hook(state, named_buffers)`` on the module's buffers (a dict of name to tensor)
-        instead of broadcasting them from rank 0, before or after the forward
-        (``torch.nn.parallel.distributed._BufferCommHookLocation``). The hook may return a list of
-        futures: they are waited for at the end of the backward."""
-        self._buffer_sync.register_hook(state, hook, comm_hook_location)
-
-    def _default_broadcast_coalesced(self, bufs=None, bucket_size=None, authoritative_rank=0):
-        """torch's default buffer sync, for buffer hooks that call it: ``bufs`` (default: the
-        module's buffers) broadcast from ``authoritative_rank``."""
-        bufs = self._buffer_sync.buffers if bufs is None else bufs
-        dist._broadcast_coalesced(self.process_group, bufs, bucket_size or BROADCAST_BUCKET_BYTES, authoritative_rank)
-
-    def _check_sync_bufs_pre_fwd(self) -> bool:
-        """Whether this forward syncs the buffers before running the module (torch's rule)."""
-        return self.will_sync_module_buffers() and self._buffer_sync.syncs_before_forward()
-
-    def _check_sync_bufs_post_fwd(self) -> bool:
-        """Whether this forward runs a POST_FORWARD buffer hook after the module (torch's rule)."""
-        return self.will_sync_module_buffers() and self._buffer_sync.syncs_after_forward()
-
-    def _sync_buffers(self, rank_cond: bool = True) -> None:
-        futs = self._buffer_sync.sync(self._ranks, rank_cond=rank_cond, join_enabled=self._join_config.enable)
-        if futs:
-            self._install_post_backward_futures(futs)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -286,20 +202,16 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
         # issues the matching ones in the same order.
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:
-            self._log_runtime_stats()  # of the iterations before this one, as torch logs them
-            self._iteration += 1  # torch's reducer counts the iteration here (prepare_for_forward)
-            if self.logger.should_collect(self._iteration):
-                self.logger.record("forward_start")
-            self._ensure_prior_reduction_finished()
+            self._reducer.prepare_for_forward()
         work = Join.notify_join_context(self)
         if work is not None:
             with naming("DistributedDataParallel forward (Join): the all-reduce that counts the ranks still training"):
                 work.wait()
-            self._set_div_factor(self._ranks.world if self._divide_by_initial_world_size
-                                 else int(work.result()[0].item()))
+            self._reducer.set_divisor(self._ranks.world if self._divide_by_initial_world_size
+                                      else int(work.result()[0].item()))
         if torch.is_grad_enabled():
-            self._maybe_rebuild()
-        if self._check_sync_bufs_pre_fwd():
+            self._reducer.maybe_rebuild()
+        if self.will_sync_module_buffers() and self._buffer_sync.syncs_before_forward():
             self._sync_buffers()
         if self._join_config.enable:
             self._ranks.backward_sync_flag(self.require_backward_grad_sync, joined=False)
@@ -309,28 +221,12 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
     def _post_forward(self, out, grad_sync: bool):
         """The output as the caller gets it; with find_unused_parameters, through torch's sink."""
         # A POST_FORWARD buffer hook; decided, as torch, by the previous forward's sync flag.
-        if self._check_sync_bufs_post_fwd():
+        if self.will_sync_module_buffers() and self._buffer_sync.syncs_after_forward():
             self._sync_buffers()
         # torch's: a forward without backward sync (no_sync(), no_grad) skips the next buffer sync.
         self.require_forward_param_sync = grad_sync
         if grad_sync:
-            if self.logger.should_collect(self._iteration):
-                self.logger.record("backward_compute_start")
-            if self._ready_clock is not None:
-                self._ready_clock.reset()
-            self._state = self._start_state
-            self._delaying = self.static_graph and self._static_unused is None
-            self._futures = []
-            self._num_buckets_reduced = 0
-            self._pending_unused = ()
-            self._undefined_now = set()
-            if self.find_unused_parameters and not self.static_graph:
-                reach = _reachable_params(out)
-                self._pending_unused = tuple(i for i, p in enumerate(self._params) if id(p) not in reach)
-                self._note_unused(self._pending_unused)
-            elif self.static_graph and self._static_unused is not None:
-                self._pending_unused = self._static_unused  # found in the first iteration
-            self._expect_hooks = True
+            self._reducer.prepare_for_backward(out)
         if self.find_unused_parameters and not self.static_graph:
             # Outputs the loss leaves out still reach the backward (with None gradients), so the
             # parameters behind them report in as locally unused, as with torch's _DDPSink.
@@ -339,27 +235,7 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
             self._delayed.after_forward()  # delayed parameters' .grad: views of their flat buffer
         return out
 
-    def _maybe_rebuild(self) -> None:
-        if (not self._has_rebuilt and self._last_order is not None
-                and (self.static_graph or not self.find_unused_parameters)):
-            self._rebuild(self._last_order)
-
-    _last_order = None
-    _expect_hooks = False
-    _ready_clock = None
-    # The collective each bucket runs and the ones after the step, for bucket_cap_mb="auto"'s
-    # planner; ZeRO2 states its own.
-    _auto_collectives: tuple = ("all_reduce", ())
-    _comm_hook_owns_grads = False  # set by hybrid.torch.ZeRO2, whose hook keeps the gradients
-
-    def _ensure_prior_reduction_finished(self):
-        state = self._state
-        if self._expect_hooks and state is not None and state.started and not state.finished:
-            raise self._logged(RuntimeError(unfinished_reduction_message(
-                self._ranks.rank, state.missing(), self._names, static_graph=self.static_graph,
-                find_unused_parameters=self.find_unused_parameters)))
-
-    # ---- backward ---------------------------------------------------------------------------
+    # ---- backward: torch's methods that shape it --------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -376,20 +252,125 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
         if not callable(hook):
             raise self._logged(TypeError("Communication hook must be callable."), python=True)
         self.logger.set_comm_hook(hook.__qualname__)  # torch logs it before its once-only check
-        self._set_comm_hook(state, hook)
+        self._reducer.register_comm_hook(state, hook)
 
-    def _set_comm_hook(self, state: object, hook: Callable, *, builtin: bool = False) -> None:
-        if self._comm_hook is not None:
-            # torch's reducer names the method called first.
-            names = ["register_comm_hook", "register_builtin_comm_hook"][::-1 if builtin else 1]
-            raise self._logged(RuntimeError(f"{names[0]} or {names[1]} can only be called once."))
-        self._comm_hook = (state, hook)
-        self._buckets.use_comm_hook()
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``, ``FP16_COMPRESS``), run
+        as the Python hooks of ``default_hooks`` that compute the same result."""
+        hook = builtin_hook(comm_hook_type)
+        self.logger.set_comm_hook(str(comm_hook_type))  # torch logs the type, before its once-only check
+        self._reducer.register_comm_hook(self.process_group, hook, builtin=True)
+
+    def _register_fused_optim(self, optim, *args, optim_params=None, **kwargs) -> None:
+        """Step ``optim`` (a ``torch.optim`` class; ``args`` / ``kwargs`` its settings) on each
+        bucket's parameters (``optim_params``: only these) as soon as that bucket is all-reduced,
+        inside the backward; ``.grad`` still holds the averaged gradient after it (torch's)."""
+        register_fused_optim(self, optim, *args, optim_params=optim_params, **kwargs)
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction, before the first forward (torch's rules)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self._reducer.set_static_graph()  # raises after the first forward (torch has flipped its flag by then)
+        self.static_graph = True
+        self._layout_settings["static_graph"] = True
+        self.logger.set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
+                "will detect unused parameters automatically, so you do not need to set "
+                "find_unused_parameters=true, just be sure these unused parameters will not change during "
+                "training loop while calling `_set_static_graph`.", stacklevel=2)
 
     def _set_sparse_metadata(self, global_unique_ids) -> None:
         """torch's: per sparse parameter name, the sorted ids of the rows that exist globally, for
         the next synchronizing backward (hybrid/torch/ddp/reducer/_sparse.py)."""
-        self._sparse.set_metadata(global_unique_ids)
+        self._reducer.set_sparse_metadata(global_unique_ids)
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """Whether the find_unused_parameters sink clones the outputs (torch's default: True,
+        so a loss modified in place does not trip autograd's view check)."""
+        self._ddp_sink_clone = val
+
+    # ---- buffers (torch's names, over the BufferSync part) ------------------------------------
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers DDP syncs, by name, as the module held them at the last sync (torch's)."""
+        return self._buffer_sync.named
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """torch's name for the buffers DDP syncs."""
+        return self._buffer_sync.buffers
+
+    @property
+    def buffer_hook(self):
+        """The registered buffer comm hook (torch's attribute; absent until one is registered)."""
+        if self._buffer_sync.hook is None:
+            raise AttributeError("buffer_hook")  # nn.Module's __getattr__ words it as torch's
+        return self._buffer_sync.hook
+
+    def _register_buffer_comm_hook(self, state, hook, comm_hook_location=_BufferCommHookLocation.POST_FORWARD):
+        """Run ``hook(state, named_buffers)`` instead of the broadcast, before or after the forward;
+        futures it returns are waited for at the end of the backward (torch's)."""
+        self._buffer_sync.register_hook(state, hook, comm_hook_location)
+
+    def _default_broadcast_coalesced(self, bufs=None, bucket_size=None, authoritative_rank=0):
+        """torch's default buffer sync (for buffer hooks): ``bufs`` broadcast from ``authoritative_rank``."""
+        bufs = self._buffer_sync.buffers if bufs is None else bufs
+        dist._broadcast_coalesced(self.process_group, bufs, bucket_size or BROADCAST_BUCKET_BYTES, authoritative_rank)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the module's buffers (torch's rule)."""
+        return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffer_sync.buffers)
+
+    def _sync_buffers(self, rank_cond: bool = True) -> None:
+        futs = self._buffer_sync.sync(self._ranks, rank_cond=rank_cond, join_enabled=self._join_config.enable)
+        if futs:
+            self._reducer.install_post_backward_futures(futs)
+
+    # ---- logging data (hybrid/torch/ddp/_logging.py keeps it as torch's C++ Logger) ------------
+
+    def _get_ddp_logging_data(self) -> dict:
+        """torch's logging data, same keys, values and moments (hybrid/torch/ddp/_logging.py)."""
+        if self.logger is None:
+            raise AssertionError("self.logger must not be None")
+        return self.logger.data()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Sample runtime stats every ``sample_rate`` iterations after the tenth (default 100)."""
+        if sample_rate < 1:
+            raise self._logged(ValueError("DDP runtime logging sample rate should be equal or greater than 1"),
+                               python=True)
+        self.logger.sample_rate = sample_rate
+
+    def _logged(self, error: Exception, *, python: bool = False) -> Exception:
+        """``error``, recorded in the logging data as torch records the errors its DDP raises
+        (no logger, no record: every parameter delayed)."""
+        return error if self._reducer is None else self._reducer.logged(error, python=python)
+
+    # ---- what the rest of hybrid reads: the reducer's facts, under the shell's names ----------
+
+    @property
+    def bucket_plan(self) -> BucketPlan:
+        """The :class:`~hybrid.core.BucketPlan` in use."""
+        return self._reducer.plan
+
+    @property
+    def _has_rebuilt(self) -> bool:  # hybrid.checkpoint.torch saves the rebuilt plan
+        return self._reducer.rebuild.has_rebuilt
+
+    @property
+    def _auto_report(self) -> dict | None:  # bucket_cap_mb="auto": what its plan was made from
+        return self._reducer.rebuild.auto_report
+
+    def _maybe_rebuild(self) -> None:  # the parity harness: a one-step run reports its rebuilt plan
+        self._reducer.maybe_rebuild()
+
+    def _restore_rebuilt_plan(self, plan: BucketPlan) -> None:  # hybrid.checkpoint.torch, restore_buckets
+        self._reducer.restore_rebuilt_plan(plan)
 
     # ---- Join -------------------------------------------------------------------------------
 
@@ -409,3 +390,36 @@ class DistributedDataParallel(Pickling, TorchMethods, Reducer, nn.Module, Joinab
     @property
     def join_process_group(self):
         return self.process_group
+
+    # ---- pickling, as torch's: the module and the settings; the rest made anew on load -------
+
+    def __getstate__(self):
+        if self._mixed is not None:
+            self._mixed.refuse_pickling()
+        if not is_default_group(self.process_group):
+            raise self._logged(RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                "group. That is, when you have called init_process_group and have not passed "
+                "process_group argument to DDP constructor"), python=True)
+        return {k: v for k, v in self.__dict__.items() if k not in _MADE_ON_LOAD}
+
+    def __setstate__(self, state):
+        """Against the default group: the copy starts from the initial buckets, rebuilds them after
+        its first iteration and, with ``static_graph``, records its first iteration again."""
+        nn.Module.__setstate__(self, state)
+        self._reducer, self.logger = None, None
+        self.process_group = dist.distributed_c10d._get_default_group()
+        self._ranks = RankAgreement(self.process_group, self.device)
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        if self._delayed is not None:
+            self._delayed.attach(self.process_group)
+        if not self._delay_all_reduce_all_params:
+            self._init_reducer()
+
+    # ---- torch keeps these DataParallel-era helpers "for BC" (scatter, gather: its own) ------
+
+    scatter, gather = _TorchDDP.scatter, _TorchDDP.gather  # they read self.dim only
+
+    def to_kwargs(self, inputs, kwargs, device_id):
+        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id),
+                          os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")

@@ -81,6 +81,18 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def bucket_cap_bytes(layout_settings: dict) -> int:
+    """torch's logged ``bucket_bytes_cap``: the largest cap of a list, and a negative cap as it
+    is; torch's 25 MB where none is given (and under ``"auto"``, which starts from torch's caps).
+
+    >>> bucket_cap_bytes({"bucket_cap_mb": None, "bucket_cap_mb_list": [1, 4]})
+    4194304
+    """
+    caps_mb = layout_settings["bucket_cap_mb_list"] or [layout_settings["bucket_cap_mb"]]
+    cap_mb = 25 if caps_mb in ([None], ["auto"]) else max(caps_mb)
+    return int(cap_mb * 1024 * 1024)
+
+
 def _env(names) -> str:
     return next((os.environ[n] for n in names if n in os.environ), "N/A")
 

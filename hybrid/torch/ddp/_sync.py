@@ -21,6 +21,14 @@ _MB = 1024 * 1024
 BROADCAST_BUCKET_BYTES = 250 * _MB  # torch DDP's broadcast_bucket_size
 
 
+def is_default_group(group) -> bool:
+    """Whether ``group`` is the default process group (False once there is none)."""
+    try:
+        return group is dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError):  # no default group any more
+        return False
+
+
 class RankAgreement:
     """The ranks of ``group`` agreeing, for one DDP whose collectives run on ``device``.
 

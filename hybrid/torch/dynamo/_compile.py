@@ -306,9 +306,8 @@ def _hint_ready_order(ddp, ordered: list[nn.Parameter]) -> None:
     """Give the reducer the graph's reverse-use order for its one rebuild, so that with equal caps
     its buckets are the graph's pieces (pieces snap to node ends: a node's parameters stay together).
     Only for a graph that uses every reduced parameter: with graph breaks each graph sees a part."""
-    if ddp._has_rebuilt or ddp._last_order is not None or len(ordered) != len(ddp._params):
-        return
-    ddp._last_order = tuple(ddp._index_of[id(p)] for p in ordered)
+    if len(ordered) == len(ddp._params):
+        ddp._reducer.rebuild.hint(tuple(ddp._index_of[id(p)] for p in ordered))
 
 
 def split_reports(model) -> list[SplitReport]:

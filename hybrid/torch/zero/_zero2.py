@@ -129,7 +129,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         self._flat_collectives = dist.get_backend(self.process_group) != dist.Backend.GLOO
         # What bucket_cap_mb="auto" plans the DDP's buckets for: this hook's collective per bucket and
         # the parameter gathers after the step (on gloo: every rank broadcasts its slice).
-        module._auto_collectives = (("reduce_scatter", (("all_gather", 1),)) if self._flat_collectives
+        module._reducer.rebuild.collectives = (("reduce_scatter", (("all_gather", 1),)) if self._flat_collectives
                                     else ("all_reduce", (("broadcast", self.world_size),)))
         self._set_param_plan(module.bucket_plan)
         self.optim: Optimizer = optimizer_class(
@@ -139,7 +139,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         module.register_comm_hook(None, self._hook)
-        module._comm_hook_owns_grads = True
+        module._reducer.comm_hook_owns_grads = True  # the DDP leaves .grad to the hook
         collect_cycles_at_exit()  # the DDP and this optimizer now refer to each other
         # The stand-ins must be gone before autograd accumulates into .grad again.
         module.register_forward_pre_hook(lambda *_: self._drop_stand_ins())

@@ -16,6 +16,7 @@ import torch
 
 from hybrid import kernels
 from hybrid.core import Bucket, BucketPlan
+from hybrid.torch.ddp._logging import nbytes
 from hybrid.torch.ddp._parts import GradBucket
 from hybrid.torch.ddp.reducer._sparse import sparse_placeholder
 
@@ -200,6 +201,11 @@ class BucketBuffers:
         if not self._comm_hook:
             buf.mul_(inv_div)
         self.flat[b], self.views[m] = buf, view
+
+    def param_bytes(self) -> tuple[list[int], list[list[int]]]:
+        """The buckets: each one's parameter bytes and its members (torch's logger's view)."""
+        members = self.plan.bucket_indices()
+        return [sum(nbytes(self._params[m]) for m in ms) for ms in members], members
 
     def zero_bucket(self, b: int) -> torch.Tensor:
         """Zeros shaped as bucket ``b``'s buffer: what a joined rank reduces in its place."""

@@ -13,20 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-from torch import nn
 
 _NOT_SPARSE_HINT = ("only the weights of nn.Embedding / nn.EmbeddingBag modules built with sparse=True "
                     "are reduced as sparse gradients")
-
-
-def expects_sparse_gradient(owner: nn.Module) -> bool:
-    """Whether DDP expects a sparse gradient for a parameter first owned by ``owner`` (torch's
-    ``_build_params_for_reducer`` rule: an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True``).
-
-    >>> expects_sparse_gradient(torch.nn.Embedding(4, 2, sparse=True)), expects_sparse_gradient(torch.nn.Linear(2, 1))
-    (True, False)
-    """
-    return isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and bool(owner.sparse)
 
 
 def sparse_placeholder(param: torch.Tensor) -> torch.Tensor:
