@@ -165,10 +165,9 @@ class OrbaxCheckpoint(ForeignCheckpoint):
 
     def _metadata_tree(self) -> dict:
         import orbax.checkpoint as ocp
-        from etils import epath
 
         try:
-            tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(self._dir)).tree
+            tree = ocp.PyTreeCheckpointHandler().metadata(self._dir).tree
         except Exception as e:  # noqa: BLE001 - named
             raise CheckpointError(f"{self._dir}: orbax cannot read its tree metadata ({type(e).__name__}: {e})") from None
         if not isinstance(tree, dict):
