@@ -1,5 +1,5 @@
 """torch DCP checkpoints in and out: FSDP2 -> hybrid torch (ZeRO3, DDP, ZeRO-1, ZeRO2) -> DCP -> FSDP2,
-and FSDP2 -> flax + optax.
+and FSDP2 -> flax + optax -> DCP -> FSDP2.
 
 Every foreign checkpoint is written by torch's own calls: an FSDP2 run (``fully_shard`` per
 Linear and on the root, CPU mesh, 2 gloo ranks) saves ``dcp.save({"model": ..., "optim": ...})``
@@ -15,7 +15,8 @@ Tolerances, and why:
 - at 3 ranks (DDP with a plain optimizer, ZeRO-1, ZeRO2) only the order of the float32 additions
   in the gradient mean changes: rtol 1e-6, atol 1e-7 (tests/checkpoint/test_resume.py's).
 - flax + optax is another implementation of the model and of Adam: the parity tolerance of
-  tests/checkpoint/test_optax_groups.py (rtol 1e-5, atol 1e-6).
+  tests/checkpoint/test_optax_groups.py (rtol 1e-5, atol 1e-6), for the flax run and for FSDP2
+  resumed from it.
 """
 
 from __future__ import annotations
@@ -125,15 +126,16 @@ def _ddp_run(kind, root, rank, world):
     return {"start": start, "lrs": lrs, "params": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}}
 
 
-def _fsdp2_back(kind, root, rank, world):
-    """FSDP2 resumed with torch's own dcp.load + set_state_dict from the converted checkpoint."""
+def _fsdp2_back(kind, root, rank, world, source=None):
+    """FSDP2 resumed with torch's own dcp.load + set_state_dict from the converted checkpoint
+    (``source``: another one than ZeRO3's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model, opt = _fsdp2(kind, lr_scale=5.0)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=f"{root}/back-{kind}")
+    dcp.load(state, checkpoint_id=f"{root}/{source or f'back-{kind}'}")
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     lrs = _lrs(opt)
     _train(model, opt, range(HANDOFF, STEPS), rank, world)
@@ -148,6 +150,8 @@ def _ranks(job, root, rank, port, out):
     import torch.distributed as dist
 
     results = {kind: JOBS[job](kind, root, rank, dist.get_world_size()) for kind in _pair.OPTIMIZERS}
+    if job == "fsdp2_back":  # and the flax run's checkpoint, saved from JAX
+        results["jax"] = _fsdp2_back("adamw", root, rank, dist.get_world_size(), source="back-jax")
     out.put((rank, results, 0.0))
     dist.destroy_process_group()
 
@@ -166,8 +170,43 @@ def runs(tmp_path_factory):
            "ddp": _launch("ddp", root, world=3)}
     for kind in _pair.OPTIMIZERS:  # hybrid's checkpoint out to DCP, as the command line does it
         convert(root / f"zero3-{kind}", root / f"back-{kind}", to="dcp")
+    out["flax"] = _flax_run(root)
     out["fsdp2_back"] = _launch("fsdp2_back", root)
     return out
+
+
+def _flax_run(root):
+    """FSDP2's AdamW checkpoint into the flax twin through the mapping, its param groups as
+    optax_from_manifest's transform, trained to STEPS; saved at HANDOFF under torch's names and
+    converted to DCP with the torch param groups the FSDP2 run resumes with."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from hybrid.checkpoint import convert
+    from hybrid.checkpoint import jax as ckpt_jax
+
+    path, mapping = root / "fsdp-adamw", _pair.mapping()
+    like = jax.tree.map(jnp.zeros_like, _pair.flax_params())
+    tx = ckpt_jax.optax_from_manifest(path, like, mapping=mapping)
+    params, state, step = ckpt_jax.load(path, like, tx.init(like), mapping=mapping)
+
+    @jax.jit
+    def train_step(params, state, x):
+        g = jax.grad(_pair.flax_loss)(params, x)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for i in range(step, STEPS):
+        if i == HANDOFF:
+            ckpt_jax.save(root / "jax", params, state, step=i, mapping=mapping)
+        params, state = train_step(params, state, jnp.asarray(_pair.batch(i)))
+    names = [n for n, _ in _pair.torch_model().named_parameters()]
+    groups = [{"params": [n for n in names if n.endswith("weight")], "lr": 0.01, "weight_decay": 0.1},
+              {"params": [n for n in names if n.endswith("bias")], "lr": 0.02, "weight_decay": 0.0}]
+    convert(root / "jax", root / "back-jax", to="dcp", param_groups=groups)
+    flat = _flat(params)
+    return {"start": step, "params": mapping.pair({k: v.shape for k, v in flat.items()}).to_torch(flat)}
 
 
 def _max_diff(got: dict, want: dict) -> float:
@@ -215,33 +254,22 @@ def test_the_dcp_checkpoint_reads_as_the_run_saved_it(runs):
 
 
 def test_fsdp2_checkpoint_resumes_in_flax_and_optax(runs):
-    """FSDP2's AdamW checkpoint into the flax twin through the mapping, its param groups as
-    optax_from_manifest's transform; trained on, it follows FSDP2's run."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from hybrid.checkpoint import jax as ckpt_jax
-
-    path = runs["root"] / "fsdp-adamw"
-    like = jax.tree.map(jnp.zeros_like, _pair.flax_params())
-    tx = ckpt_jax.optax_from_manifest(path, like, mapping=_pair.mapping())
-    params, state, step = ckpt_jax.load(path, like, tx.init(like), mapping=_pair.mapping())
-    assert step == SAVE
-
-    @jax.jit
-    def train_step(params, state, x):
-        g = jax.grad(_pair.flax_loss)(params, x)
-        updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state
-
-    for i in range(SAVE, STEPS):
-        params, state = train_step(params, state, jnp.asarray(_pair.batch(i)))
-    want = runs["fsdp2"]["adamw"]
-    got = _pair.mapping().pair(dict((k, v.shape) for k, v in _flat(params).items())).to_torch(_flat(params))
-    print(f"flax + optax resumed vs FSDP2 uninterrupted, max |diff| {_max_diff(got, want):.2e}")
+    """FSDP2's AdamW checkpoint into the flax twin (the fixture's _flax_run) follows FSDP2's run."""
+    got, want = runs["flax"], runs["fsdp2"]["adamw"]
+    assert got["start"] == SAVE
+    print(f"flax + optax resumed vs FSDP2 uninterrupted, max |diff| {_max_diff(got['params'], want):.2e}")
     for name in want:
-        np.testing.assert_allclose(got[name], want[name], **CROSS, err_msg=name)
+        np.testing.assert_allclose(got["params"][name], want[name], **CROSS, err_msg=name)
+
+
+def test_fsdp2_resumes_a_jax_run_through_dcp(runs):
+    """The flax run's hybrid checkpoint (saved from JAX under torch's names), converted to DCP
+    with the run's torch param groups: FSDP2 resumes it and follows its own uninterrupted run."""
+    got, want = runs["fsdp2_back"]["jax"], runs["fsdp2"]["adamw"]
+    assert got["lrs"] == [0.01, 0.02]
+    print(f"FSDP2 <- DCP <- JAX vs FSDP2 uninterrupted, max |diff| {_max_diff(got['params'], want):.2e}")
+    for name in want:
+        np.testing.assert_allclose(got["params"][name], want[name], **CROSS, err_msg=name)
 
 
 def _flat(params) -> dict:

@@ -156,6 +156,8 @@ def test_orbax_loads_into_torch_through_the_mapping(root):
     for i in range(SAVE, STEPS):
         _torch_step(model, opt, i)
     want = pairing.to_torch(_orbax_run(str(root)))
+    print(f"torch resumed from orbax vs orbax's uninterrupted run: max |diff| "
+          f"{max(float((p.detach() - torch.from_numpy(want[n])).abs().max()) for n, p in model.named_parameters()):.2e}")
     for name, p in model.named_parameters():
         np.testing.assert_allclose(p.detach().numpy(), want[name], **CROSS, err_msg=name)
 
