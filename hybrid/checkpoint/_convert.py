@@ -75,6 +75,10 @@ def convert(src, dst: str | os.PathLike, *, to: str, format: str | None = None, 
         raise FileExistsError(f"convert: {dst} exists; give a new path (a conversion never replaces a checkpoint)")
     t0 = time.perf_counter()
     ckpt = open_checkpoint(src, format=format, step=step, **options)
+    if mapping is not None and (ckpt.manifest.framework == "torch") == (to != "orbax"):
+        raise ValueError(f"convert: mapping= places a JAX tree's tensors under torch's names (an orbax or JAX source "
+                         f"to hybrid / dcp) or torch's into a JAX tree (to orbax); {ckpt.path} holds "
+                         f"{ckpt.manifest.framework}'s names and to={to!r} needs none")
     if mapping is not None and to != "orbax":
         from hybrid.checkpoint._renamed import to_torch_names
         ckpt = to_torch_names(ckpt, mapping)

@@ -38,6 +38,8 @@ def detect_format(path: str | os.PathLike) -> str:
         return "hybrid"
     if not target.is_dir():
         raise CheckpointError(f"{path}: no checkpoint directory there")
+    if any(target.glob("rank-*.safetensors")):  # hybrid's files without a manifest: its reader says why
+        return "hybrid"
     if (target / ".metadata").exists():
         return "dcp"
     if any((target / m).exists() for m in _ORBAX_MARKERS) or _orbax_steps(target):

@@ -234,3 +234,21 @@ def test_the_command_line(tmp_path, capsys):
     assert main(["checkpoint", "convert", str(tmp_path / "h"), str(tmp_path / "o"), "--to", "orbax"]) == 0
     assert main(["checkpoint", "convert", str(tmp_path / "o"), str(tmp_path / "d2"), "--to", "dcp"]) == 1
     assert "records no torch param groups" in capsys.readouterr().err and not (tmp_path / "d2").exists()
+
+
+def test_a_mapping_where_none_fits_is_named(tmp_path):
+    """An orbax checkpoint of a flax tree into torch without a mapping, and a mapping given for a
+    checkpoint already in torch's names: both refused with what to do."""
+    from hybrid.checkpoint import torch as ckpt_torch
+
+    params = _pair.flax_params()
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "orbax", {"params": params, "opt_state": optax.adam(0.1).init(params), "step": 1})
+    checkpointer.wait_until_finished()
+    model = _pair.torch_model()
+    with pytest.raises(CheckpointError, match="pass mapping="):
+        ckpt_torch.load(tmp_path / "orbax", model, torch.optim.Adam(model.parameters()))
+    _dcp(tmp_path / "dcp")
+    with pytest.raises(ValueError, match="holds torch's names and to='hybrid' needs none"):
+        convert(tmp_path / "dcp", tmp_path / "out", to="hybrid", mapping=_pair.mapping())
+    assert not (tmp_path / "out").exists()

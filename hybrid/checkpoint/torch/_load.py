@@ -170,7 +170,13 @@ def _open(path, module, format, mapping) -> CheckpointReader:
         named = named_parameters(module)
         names, shapes = [n for n, _ in named], {n: tuple(p.shape) for n, p in named}
     if mapping is None:
-        return open_checkpoint(path, format=format, param_names=names)
+        ckpt = open_checkpoint(path, format=format, param_names=names)
+        saved = {s.name for s in ckpt.manifest.plan.specs}
+        if ckpt.manifest.framework == "jax" and ckpt.format != "hybrid" and saved != set(names):
+            raise CheckpointError(f"{ckpt.path}: an {ckpt.format} checkpoint of a JAX tree ({sorted(saved)[:3]}...), "
+                                  f"the module has {names[:3]}...: pass mapping= (a hybrid.core.ParamMapping) to "
+                                  f"place its tensors")
+        return ckpt
     from hybrid.checkpoint._renamed import to_torch_names
     return to_torch_names(open_checkpoint(path, format=format), mapping, shapes)
 
