@@ -165,6 +165,7 @@ def jax_bench(widths, reps: int, root: str) -> dict:
             t = time.perf_counter()
             ops[op]()
             times[op].append(time.perf_counter() - t)
+    checkpointer.close()  # its threads end with the bench
     sizes = {name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
              for name, p in (("hybrid", hybrid_path), ("orbax", orbax_path))}
     return {"times": times, "sizes": sizes, "num_params": sum(int(np.prod(np.shape(x)))

@@ -115,9 +115,8 @@ def _writer(ckpt, to: str, *, world_size, mapping, like, param_groups) -> Callab
         tree = orbax_tree(ckpt, like=like, mapping=mapping)
 
         def write_orbax(path):
-            checkpointer = ocp.StandardCheckpointer()
-            checkpointer.save(os.fspath(path), tree)
-            checkpointer.wait_until_finished()
+            with ocp.StandardCheckpointer() as checkpointer:  # closing waits for the save, ends its threads
+                checkpointer.save(os.fspath(path), tree)
         return write_orbax
     from hybrid.core import plan_buckets
     from hybrid.checkpoint._write import save_arrays

@@ -93,11 +93,11 @@ def classify(keys: Sequence[str], paths: dict | None, is_tensor: Callable[[str],
     known = set(param_names) if param_names is not None else set(stepped) | set(state)
     for k in rest:
         path = path_of[k]
-        if path[:-1] == model_prefix and isinstance(path[-1], str) and is_tensor(k):
+        if path and path[-1] == "step" and path[-1] not in known:  # a run's step, even beside model keys
+            step_keys.append(k)
+        elif path[:-1] == model_prefix and isinstance(path[-1], str) and is_tensor(k):
             name = path[-1]
             (model if (name in known or not known) else buffers)[name] = k
-        elif path and path[-1] == "step":
-            step_keys.append(k)
         else:
             left_out.append(k)
     missing = [n for n in stepped if n not in model]

@@ -109,9 +109,8 @@ class OrbaxCheckpoint(ForeignCheckpoint):
     >>> import os, tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
     >>> params = {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}}
     >>> d = os.path.join(tempfile.mkdtemp(), "orbax")
-    >>> checkpointer = ocp.StandardCheckpointer()
-    >>> checkpointer.save(d, {"params": params, "opt_state": optax.adam(0.1).init(params), "step": 7})
-    >>> checkpointer.wait_until_finished()
+    >>> with ocp.StandardCheckpointer() as checkpointer:
+    ...     checkpointer.save(d, {"params": params, "opt_state": optax.adam(0.1).init(params), "step": 7})
     >>> ckpt = OrbaxCheckpoint(d)
     >>> ckpt.manifest.step, ckpt.manifest.optimizer.slots, [s.name for s in ckpt.manifest.plan.specs]
     (7, ('mu', 'nu'), ['Dense_0.bias', 'Dense_0.kernel'])
@@ -233,8 +232,9 @@ class OrbaxCheckpoint(ForeignCheckpoint):
             return {}
         template = _prune(self._tree, set(wanted))
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), template)
-        restored = ocp.PyTreeCheckpointer().restore(
-            self._dir, args=ocp.args.PyTreeRestore(item=template, restore_args=args, partial_restore=True))
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(
+                self._dir, args=ocp.args.PyTreeRestore(item=template, restore_args=args, partial_restore=True))
         return {p: np.asarray(_at(restored, p)) for p in wanted}
 
     def _restore_scalars(self, wanted) -> dict[tuple, int]:

@@ -84,8 +84,8 @@ def write_orbax(checkpoint, path: str | os.PathLike, *, like=None, mapping=None)
     >>> state = optax.adam(0.1).init(params)
     >>> root = tempfile.mkdtemp(); _ = ckpt.save(os.path.join(root, "h"), params, state, step=4)
     >>> write_orbax(os.path.join(root, "h"), os.path.join(root, "orbax"), like=(params, state))
-    >>> back = ocp.StandardCheckpointer().restore(os.path.join(root, "orbax"),
-    ...                                           {"params": params, "opt_state": state, "step": 0})
+    >>> with ocp.StandardCheckpointer() as checkpointer:
+    ...     back = checkpointer.restore(os.path.join(root, "orbax"), {"params": params, "opt_state": state, "step": 0})
     >>> int(back["step"]), np.array_equal(back["params"]["w"], params["w"])
     (4, True)
     """
@@ -94,6 +94,5 @@ def write_orbax(checkpoint, path: str | os.PathLike, *, like=None, mapping=None)
     if os.path.lexists(path):
         raise FileExistsError(f"write_orbax: {path} exists")
     tree = orbax_tree(checkpoint, like=like, mapping=mapping)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.abspath(path), tree)
-    checkpointer.wait_until_finished()
+    with ocp.StandardCheckpointer() as checkpointer:  # closing waits for the save and ends its threads
+        checkpointer.save(os.path.abspath(path), tree)
