@@ -254,3 +254,22 @@ def test_a_mapping_where_none_fits_is_named(tmp_path):
     with pytest.raises(ValueError, match="holds torch's names and to='hybrid' needs none"):
         convert(tmp_path / "dcp", tmp_path / "out", to="hybrid", mapping=_pair.mapping())
     assert not (tmp_path / "out").exists()
+
+
+def test_an_ocdbt_location_outside_the_checkpoint_is_refused(tmp_path):
+    """An orbax checkpoint whose OCDBT manifest (rewritten with tensorstore's own undump) points
+    its B+tree root at another checkpoint's data file: refused before orbax reads anything."""
+    import shutil
+
+    import tensorstore as ts
+
+    params = {"w": jnp.ones((2, 3))}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "other", {"params": params, "step": 1})
+    shutil.copytree(tmp_path / "other", tmp_path / "evil")
+    manifest = ts.ocdbt.dump(ts.KvStore.open(f"file://{tmp_path / 'evil'}/").result()).result()
+    root = manifest["versions"][0]["root"]
+    root["location"] = root["location"].replace("btreenode::d/", "btreenode::../other/d/")
+    (tmp_path / "evil" / "manifest.ocdbt").write_bytes(ts.ocdbt.undump_manifest(manifest))
+    with pytest.raises(CheckpointError, match=r"points at data file '\.\./other/d/.*outside the checkpoint"):
+        open_checkpoint(tmp_path / "evil")
