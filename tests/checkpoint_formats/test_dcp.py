@@ -1,5 +1,5 @@
-"""torch DCP checkpoints in and out: FSDP2 -> hybrid torch (ZeRO3, DDP, ZeRO-1, ZeRO2) -> DCP -> FSDP2,
-and FSDP2 -> flax + optax -> DCP -> FSDP2.
+"""torch DCP checkpoints in and out: FSDP2 -> hybrid torch (ZeRO3; at 3 ranks DDP, ZeRO-1, ZeRO2,
+ZeRO3) -> DCP -> FSDP2, and FSDP2 -> flax + optax -> DCP -> FSDP2.
 
 Every foreign checkpoint is written by torch's own calls: an FSDP2 run (``fully_shard`` per
 Linear and on the root, CPU mesh, 2 gloo ranks) saves ``dcp.save({"model": ..., "optim": ...})``
@@ -12,7 +12,7 @@ Tolerances, and why:
   two agree bit for bit on gloo: a sum of two gradients is the same in either order, the
   division by 2 is exact, and both step torch's optimizer elementwise on the same values); so
   does the chain FSDP2 -> ZeRO3 -> (hybrid checkpoint, converted to DCP) -> FSDP2.
-- at 3 ranks (DDP with a plain optimizer, ZeRO-1, ZeRO2) only the order of the float32 additions
+- at 3 ranks (DDP with a plain optimizer, ZeRO-1, ZeRO2, ZeRO3) only the order of the float32 additions
   in the gradient mean changes: rtol 1e-6, atol 1e-7 (tests/checkpoint/test_resume.py's).
 - flax + optax is another implementation of the model and of Adam: the parity tolerance of
   tests/checkpoint/test_optax_groups.py (rtol 1e-5, atol 1e-6), for the flax run and for FSDP2
@@ -104,6 +104,20 @@ def _zero3_run(kind, root, rank, world):
             "params": {k.removeprefix("module."): v.detach().numpy().copy() for k, v in net.state_dict().items()}}
 
 
+def _zero3_at(root, rank, world):
+    """hybrid ZeRO3 at another world size than FSDP2's, resumed from its AdamW checkpoint."""
+    from hybrid.checkpoint import torch as ckpt
+    from hybrid.torch import ZeRO3
+
+    net = ZeRO3(_pair.torch_model())
+    opt = _pair.torch_optimizer(None, "adamw", lr_scale=5.0, zero3=net)
+    start = ckpt.load(f"{root}/fsdp-adamw", net, opt)
+    lrs = _lrs(opt)
+    _train(net, opt, range(start, STEPS), rank, world)
+    return {"start": start, "lrs": lrs,
+            "params": {k.removeprefix("module."): v.detach().numpy().copy() for k, v in net.state_dict().items()}}
+
+
 def _ddp_run(kind, root, rank, world):
     """At 3 ranks: DDP + Adam (plain), DDP + ZeRO-1 (AdamW), DDP + ZeRO2 (SGD)."""
     import torch
@@ -152,6 +166,8 @@ def _ranks(job, root, rank, port, out):
     results = {kind: JOBS[job](kind, root, rank, dist.get_world_size()) for kind in _pair.OPTIMIZERS}
     if job == "fsdp2_back":  # and the flax run's checkpoint, saved from JAX
         results["jax"] = _fsdp2_back("adamw", root, rank, dist.get_world_size(), source="back-jax")
+    if job == "ddp":  # and ZeRO3 at this other world size
+        results["zero3"] = _zero3_at(root, rank, dist.get_world_size())
     out.put((rank, results, 0.0))
     dist.destroy_process_group()
 
@@ -223,9 +239,9 @@ def test_zero3_resumed_from_fsdp2_equals_its_uninterrupted_run_bit_for_bit(runs,
         np.testing.assert_array_equal(got["params"][name], want[name], err_msg=name)
 
 
-@pytest.mark.parametrize("kind", _pair.OPTIMIZERS)
-def test_ddp_zero1_zero2_at_3_ranks_follow_fsdp2(runs, kind):
-    got, want = runs["ddp"][kind], runs["fsdp2"][kind]
+@pytest.mark.parametrize("kind", [*_pair.OPTIMIZERS, "zero3"])
+def test_ddp_zero1_zero2_zero3_at_3_ranks_follow_fsdp2(runs, kind):
+    got, want = runs["ddp"][kind], runs["fsdp2"]["adamw" if kind == "zero3" else kind]
     assert got["start"] == SAVE and got["lrs"] == [0.01, 0.02]
     print(f"{kind}: 3-rank resume vs FSDP2 uninterrupted, max |diff| {_max_diff(got['params'], want):.2e}")
     for name in want:
