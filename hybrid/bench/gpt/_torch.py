@@ -63,7 +63,7 @@ def build(name: str, bench: StepBench, device: torch.device):
     from hybrid.torch import DistributedDataParallel, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer
 
     torch.manual_seed(0)
-    with device:  # parameters made and initialised on the device, as torch's meta-free recipes do
+    with device:  # parameters made and initialised on the device: no host copy to move over
         model = TorchGPT(bench.gpt)
     ids = [device.index] if device.type == "cuda" else None
     adamw = torch.optim.AdamW
