@@ -1,4 +1,4 @@
-"""``python -m hybrid plan | demo | parity | bench NAME``."""
+"""``python -m hybrid plan | demo | parity | bench NAME | checkpoint info|convert``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile", "checkpoint")
+BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile", "checkpoint", "summary")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +33,8 @@ def _main(argv: list[str] | None) -> int:
     demo_cli.add_parser(sub)
     from hybrid import _parity_cli as parity_cli
     parity_cli.add_parser(sub)
+    from hybrid import _checkpoint_cli as checkpoint_cli
+    checkpoint_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS))
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -49,4 +51,6 @@ def _main(argv: list[str] | None) -> int:
         return demo_cli.run(args)
     if args.command == "parity":
         return parity_cli.run(args)
+    if args.command == "checkpoint":
+        return checkpoint_cli.run(args)
     return _plan_cli.run(args)

@@ -20,6 +20,11 @@ JAX: ``hybrid.jax.zero`` state on 2 host devices in one process, ``hybrid.checkp
 (the devices' files written in parallel threads) against writing the same files plainly in the
 same threads, and ``load`` against reading them (one thread per file).
 
+Then the foreign formats beside hybrid's own (``_checkpoint_formats.py``): torch DCP (saved by
+FSDP2 with torch's ``dcp.save``, loaded by hybrid into ZeRO3 and by torch into FSDP2) and orbax
+(saved and restored by ``StandardCheckpointer``, loaded by hybrid into ``hybrid.jax.zero``), each
+against hybrid's save and load of the same state; ``--skip-formats`` leaves them out.
+
 MB/s are per rank (this rank's bytes over its time); ratios are hybrid's time over plain I/O's:
 the ratio of the two medians, and the paired ratio, the median over repetitions of hybrid's time
 over plain's in the same repetition (neighbours in time share the machine's load of the moment,
@@ -201,6 +206,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--widths", default=None, help=f"MLP layer widths (default {DEFAULT_WIDTHS}, bench zero's)")
     parser.add_argument("--dir", default=None, help="where to write (default a temporary directory)")
     parser.add_argument("--skip-jax", action="store_true")
+    parser.add_argument("--skip-formats", action="store_true", help="leave out torch DCP and orbax")
     args = parser.parse_args(argv)
     widths = tuple(int(w) for w in (args.widths or ("256,512,256" if args.quick else DEFAULT_WIDTHS)).split(","))
     reps = args.reps or (3 if args.quick else 10)
@@ -220,5 +226,8 @@ def main(argv: list[str]) -> int:
         if not args.skip_jax:
             _report(f"JAX, hybrid.jax.zero on {WORLD_SIZE} host devices, one process",
                     _jax_bench(widths, reps, root), goal=goal)
+        if not args.skip_formats:
+            from hybrid.bench import _checkpoint_formats
+            _checkpoint_formats.run(widths, reps, root, skip_jax=args.skip_jax)
     print("\n" + _LEGEND)
     return 0

@@ -29,6 +29,11 @@ DDP's own communication buckets (full size in every variant, as in torch) are li
 
 Then the stage-3 part (``hybrid.bench._zero3``): ZeRO-3 beside DDP, FSDP2, ZeRO-1 and ZeRO-2 on
 the MLP and on 100 small layers, at 2 and 3 ranks: allocator-counted memory and step times.
+
+With ``--device cuda`` (or ``cpu``) it times GPT training steps instead (GPT-2 small by default,
+float32 and bf16, AdamW): hybrid's ZeRO-1 against torch's ZeroRedundancyOptimizer and ZeRO3
+against FSDP2 (``--part`` picks), NCCL ranks one per GPU, peak memory beside the times
+(``hybrid.bench.gpt``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table, human_bytes
+from hybrid.bench import gpt
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 WORLD_SIZE = 2
@@ -177,14 +183,22 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench zero", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25)")
+    parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions (--device: its model, 5 rounds after 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25; --device: 20)")
     parser.add_argument("--widths", type=str, default=None,
                         help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
     parser.add_argument("--part", choices=("all", "1-2", "3"), default="all",
-                        help="the ZeRO-1/2 part, the stage-3 part, or both (default)")
-    parser.add_argument("--worlds", type=str, default="2,3", help="world sizes of the stage-3 part (default 2,3)")
+                        help="the ZeRO-1/2 part, the stage-3 part, or both (default); --device: ZeRO-1 against torch's, ZeRO3 against FSDP2, or both")
+    parser.add_argument("--worlds", type=str, default=None, help="world sizes of the stage-3 part (default 2,3)")
+    gpt.add_arguments(parser)
     args = parser.parse_args(argv)
+    bench = gpt.config_from_args(parser, args)
+    if bench is not None:
+        from hybrid.bench.gpt._torch import ZERO_PAIRS
+        mlp_only = [f"--{name}" for name in ("widths", "worlds") if getattr(args, name) is not None]
+        if mlp_only:
+            parser.error(f"{', '.join(mlp_only)}: the MLP's, not taken with --device (--ranks sets the ranks)")
+        return gpt.torch_main(parser, bench, "zero", ZERO_PAIRS[args.part])
     reps = args.reps or (3 if args.quick else 25)
     if args.part in ("all", "1-2"):
         _zero12(args, reps)
@@ -202,7 +216,7 @@ def _port() -> int:
 def _stage3(args, reps: int) -> None:
     from hybrid.bench import _zero3
 
-    worlds = tuple(int(w) for w in args.worlds.split(","))
+    worlds = tuple(int(w) for w in (args.worlds or "2,3").split(","))
     models = _zero3.QUICK_MODELS if args.quick else _zero3.MODELS
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero3_")
     results = {}

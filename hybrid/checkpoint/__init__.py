@@ -5,13 +5,21 @@ world size, stage, step, optimizer and hyperparameters, dtypes, each file's size
 checksum) and one safetensors file per rank holding that rank's flat slice of every bucket, for
 the parameters and each optimizer slot, with a checksum of every MiB of it in its header. Loading at another world size, bucket layout or framework reshards with
 ``hybrid.core.reshard``. The torch and JAX entry points live in ``hybrid.checkpoint.torch`` and
-``hybrid.checkpoint.jax`` (imported explicitly, like the frontends). See docs/checkpoints.md.
+``hybrid.checkpoint.jax`` (imported explicitly, like the frontends). They also read torch DCP
+(``hybrid.checkpoint.dcp``: FSDP2, torchtitan) and orbax (``hybrid.checkpoint.orbax``: flax)
+checkpoints, recognised by :func:`open_checkpoint`, and :func:`convert` writes any of the three
+from any other. See docs/checkpoints.md.
 """
 
+from hybrid.checkpoint._convert import convert
 from hybrid.checkpoint._files import Checkpoint, read_state
+from hybrid.checkpoint._formats import FORMATS, detect_format, open_checkpoint
 from hybrid.checkpoint._leftovers import Leftover, clear_leftovers, latest, leftovers
 from hybrid.checkpoint._manifest import FORMAT_VERSION, CheckpointError, FileEntry, Manifest, OptimizerInfo
+from hybrid.checkpoint._reader import CheckpointReader
+from hybrid.checkpoint._renamed import to_torch_names
 from hybrid.checkpoint._write import save_arrays
 
-__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "FileEntry", "Leftover", "Manifest", "OptimizerInfo",
-           "clear_leftovers", "latest", "leftovers", "read_state", "save_arrays"]
+__all__ = ["FORMATS", "FORMAT_VERSION", "Checkpoint", "CheckpointError", "CheckpointReader", "FileEntry", "Leftover",
+           "Manifest", "OptimizerInfo", "clear_leftovers", "convert", "detect_format", "latest", "leftovers",
+           "open_checkpoint", "read_state", "save_arrays", "to_torch_names"]

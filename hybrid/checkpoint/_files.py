@@ -16,18 +16,12 @@ import warnings
 
 import numpy as np
 
-from hybrid.core import FlatShardPlan, ReshardPlan, reshard
 from hybrid.checkpoint._protocol import find, staging, write_atomically
 from hybrid.checkpoint._manifest import BODY_DIGEST_KEY, MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
+from hybrid.checkpoint._reader import CheckpointReader, storage_dtype
 from hybrid.checkpoint._shard_file import ShardHeader, digest, encode, read_ranges
 
-# numpy has no bfloat16: such tensors are stored as their raw 16 bits, the manifest keeps the name.
-_STORED_AS = {"bfloat16": np.uint16}
-
-
-def storage_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype a tensor of logical dtype ``dtype`` is stored (and read back) as."""
-    return np.dtype(_STORED_AS.get(dtype, dtype))
+__all__ = ["Checkpoint", "read_state", "storage_dtype", "write_shard"]
 
 
 def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, list[np.ndarray]], *,
@@ -61,8 +55,9 @@ def _open_regular(file: pathlib.Path) -> int:
         raise CheckpointError(f"{file}: cannot be opened as a regular file ({e})") from None
 
 
-class Checkpoint:
-    """A saved checkpoint, opened for reading: its manifest, verified files and resharding reads.
+class Checkpoint(CheckpointReader):
+    """A hybrid checkpoint, opened for reading: its manifest, verified files and resharding reads
+(the reads every loader makes are :class:`~hybrid.checkpoint._reader.CheckpointReader`'s).
 
     Opening reads and checks the manifest. :meth:`verify` checks every file (present, a regular
     file of the saved size, its header's checksum, the tensors and the manifest body it was
@@ -197,103 +192,6 @@ class Checkpoint:
         out = np.empty(stop - start, entry.dtype)
         self._read({rank: [(key, start, out)]})
         return out
-
-    def kinds(self) -> list[str]:
-        """What is saved per bucket: ``"params"`` and the optimizer's slots."""
-        return ["params", *([] if self.manifest.optimizer is None else self.manifest.optimizer.slots)]
-
-    def reshard_to(self, dst: FlatShardPlan) -> ReshardPlan:
-        return reshard(self.manifest.shards, dst)
-
-    def slices(self, kind: str, plan: ReshardPlan, rank: int) -> list[np.ndarray]:
-        """Rank ``rank``'s slices of every bucket of ``plan.dst`` for ``kind`` (stored dtypes)."""
-        return self.slices_of([kind], plan, [rank])[kind, rank]
-
-    def slices_of(self, kinds, plan: ReshardPlan, ranks) -> dict[tuple[str, int], list[np.ndarray]]:
-        """``{(kind, rank): slices}``: :meth:`slices` for several kinds and destination ranks,
-        read together (the files in parallel threads, each file's ranges in file order)."""
-        requests: dict[int, list] = {}
-        out = {(kind, rank): self._request_slices(kind, plan, rank, requests) for kind in kinds for rank in ranks}
-        self._read(requests)
-        return out
-
-    def _request_slices(self, kind: str, plan: ReshardPlan, rank: int, requests: dict[int, list]) -> list[np.ndarray]:
-        """Destination rank ``rank``'s slices, one array per bucket, their reads added to
-        ``requests`` (by source file); padding is zero."""
-        sizes = plan.dst.shard_sizes
-        out = [np.empty(n, storage_dtype(b.dtype)) for n, b in zip(sizes, plan.dst.bucket_plan.buckets)]
-        filled = [0] * len(sizes)  # copies come sorted by destination: what lies between is padding
-        for c in plan.copies(rank):
-            flat = out[c.dst_bucket]
-            flat[filled[c.dst_bucket]:c.dst_start] = 0
-            requests.setdefault(c.src_rank, []).append(
-                (f"{kind}/{c.src_bucket}", c.src_start, flat[c.dst_start:c.dst_start + c.length]))
-            filled[c.dst_bucket] = c.dst_start + c.length
-        for b, n in enumerate(sizes):
-            out[b][filled[b]:] = 0
-        return out
-
-    def tensors(self, kind: str, names=None) -> dict[str, np.ndarray]:
-        """The tensors of ``kind`` (default every one) whole, by name, in registration order
-        (stored dtypes); each is read straight from the files into its own array."""
-        plan, shards = self.manifest.plan, self.manifest.shards
-        out, requests = {}, {}
-        for i, spec in enumerate(plan.specs):
-            if names is not None and spec.name not in names:
-                continue
-            b, position = plan.locate(i)
-            offset, size = plan.buckets[b].offsets[position], shards.shard_sizes[b]
-            array = np.empty(spec.numel, storage_dtype(spec.dtype))
-            k = 0
-            while k < spec.numel:  # the runs of the tensor in consecutive ranks' slices
-                rank, start = divmod(offset + k, size)
-                n = min(spec.numel - k, size - start)
-                requests.setdefault(rank, []).append((f"{kind}/{b}", start, array[k:k + n]))
-                k += n
-            out[spec.name] = array.reshape(spec.shape)
-        self._read(requests)
-        return out
-
-    def buffers(self) -> dict[str, np.ndarray]:
-        """The replicated buffers by name, whole (stored dtypes), from rank 0's file."""
-        if not self.manifest.buffers:
-            return {}
-        out = {name: np.empty(entry["shape"], storage_dtype(entry["dtype"]))
-               for name, entry in self.manifest.buffers.items()}
-        self._read({0: [(f"buffers/{name}", 0, a.reshape(-1)) for name, a in out.items()]})
-        return out
-
-    def run_state(self) -> dict:
-        """What the run saved beside the tensors (``"scheduler"``, ``"state"``), once the manifest
-        is known to be the one the files were written for."""
-        self.verify([0])
-        return dict(self.manifest.run_state)
-
-    def check_buffers(self, shapes: dict[str, tuple], *, what: str) -> None:
-        """Raise CheckpointError unless ``shapes`` (name -> shape) are the checkpoint's buffers."""
-        saved = {n: tuple(e["shape"]) for n, e in self.manifest.buffers.items()}
-        missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
-        if missing or extra:
-            raise CheckpointError(f"{self.path}: buffers differ: {what} has {missing} which the checkpoint lacks, "
-                                  f"the checkpoint has {extra} which {what} lacks")
-        for name, shape in shapes.items():
-            if tuple(shape) != saved[name]:
-                raise CheckpointError(f"{self.path}: buffer {name!r} is {list(saved[name])} in the checkpoint and "
-                                      f"{list(shape)} in {what}")
-
-    def check_model(self, specs, *, what: str) -> None:
-        """Raise CheckpointError unless ``specs`` hold the checkpoint's tensors (names, shapes, dtypes)."""
-        saved = {s.name: s for s in self.manifest.plan.specs}
-        mine = {s.name: s for s in specs}
-        missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-        if missing or extra:
-            raise CheckpointError(f"{self.path}: saved from another model: {what} has {missing} which the "
-                                  f"checkpoint lacks, the checkpoint has {extra} which {what} lacks")
-        for name, s in mine.items():
-            t = saved[name]
-            if (s.shape, s.dtype) != (t.shape, t.dtype):
-                raise CheckpointError(f"{self.path}: tensor {name!r} is {t.dtype}{list(t.shape)} in the "
-                                      f"checkpoint and {s.dtype}{list(s.shape)} in {what}")
 
 
 def read_state(path: str | os.PathLike) -> dict:

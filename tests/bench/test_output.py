@@ -134,3 +134,19 @@ def test_checkpoint_aa_is_neighbouring_plain_io(capsys, reps):
     # ratios 1.2, 0.833, 1.2: median 1.2; quartiles (0.833 + 1.2) / 2 and 1.2
     assert (aa[0]["paired"], aa[0]["lo"], aa[0]["hi"]) == ("1.200", "1.017", "1.200")
     assert re.search(r"save\s+save/plain write\s+2\.000 .*< 1: save faster", out), out
+
+
+def test_checkpoint_formats_rows_divide_by_hybrids_own(capsys):
+    from hybrid.bench import _checkpoint_formats as formats
+
+    own = [0.010, 0.012, 0.010, 0.012]
+    times = {"hybrid save": own, "dcp save": [2 * t for t in own], "hybrid load": [0.005] * 4,
+             "load dcp": [0.010] * 4, "dcp load": [0.015] * 4}
+    formats.report("torch", {"times": times, "sizes": {"hybrid": 10 << 20, "dcp": 10 << 20}, "num_params": 1000},
+                   formats.TORCH_RATIOS)
+    out = capsys.readouterr().out
+    aa = _aa_rows(out)
+    assert [(r["group"], r["what"]) for r in aa] == [("save", "hybrid save'/hybrid save"),
+                                                     ("load", "hybrid load'/hybrid load")]
+    assert re.search(r"save\s+dcp save/hybrid save\s+2\.000 .*< 1: dcp save faster", out), out
+    assert re.search(r"load\s+load dcp/hybrid load\s+2\.000", out) and re.search(r"dcp load/hybrid load\s+3\.000", out)

@@ -8,7 +8,10 @@ import pytest
 MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._shard_file", "hybrid.checkpoint._write", "hybrid.checkpoint._manifest",
            "hybrid.checkpoint.torch._save", "hybrid.checkpoint.torch._load", "hybrid.checkpoint.jax._save",
            "hybrid.checkpoint.jax._load",
-           "hybrid.checkpoint.jax._optax_groups", "hybrid.checkpoint._leftovers"]
+           "hybrid.checkpoint.jax._optax_groups", "hybrid.checkpoint._leftovers", "hybrid.checkpoint._foreign",
+           "hybrid.checkpoint._formats", "hybrid.checkpoint._renamed", "hybrid.checkpoint._convert",
+           "hybrid.checkpoint.dcp._reader", "hybrid.checkpoint.dcp._writer", "hybrid.checkpoint.orbax._reader",
+           "hybrid.checkpoint.orbax._writer"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -3,7 +3,6 @@ as the given arrays are; under ``jax.distributed`` each process reads only its d
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -14,7 +13,8 @@ import optax
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
 from hybrid.jax import ParamShards, ZeroState
 from hybrid.jax._specs import _Layout, _leaves
-from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._formats import open_checkpoint
+from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint.jax._mapped import TorchView
 from hybrid.checkpoint.jax._tree import _SLOTS, _caps, _check_zero, _layout, _map_nodes, _rank, _slot_node, _world_of
@@ -50,9 +50,9 @@ def _from_slices(old, n: int, slices: dict[int, np.ndarray]):
     return jax.make_array_from_callback(old.shape, old.sharding, data)
 
 
-def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
+def load(path, params, opt_state=None, *, order=None,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES,
-         mapping=None, ready_order=None, pairing=None):
+         mapping=None, ready_order=None, pairing=None, format: str | None = None):
     """Load a checkpoint (from either frontend, any world size) into the layout of ``params`` and
     ``opt_state``; returns ``(params, opt_state, step)``, placed as the given arrays are.
 
@@ -70,6 +70,11 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     given (a state planned with ``pairing`` holds torch's names and layouts: it reads a torch
     checkpoint as it is, without ``mapping``).
 
+    ``format`` insists on ``"hybrid"``, ``"dcp"`` (torch's distributed checkpoint: FSDP2's, read
+    through ``mapping`` into a flax tree) or ``"orbax"`` (a flax params tree and its optax state,
+    saved by orbax's own API); by default the directory tells. ``path`` may also be a checkpoint
+    opened by ``hybrid.checkpoint.open_checkpoint`` (for its options, e.g. ``step=``).
+
     >>> import jax.numpy as jnp, optax, tempfile, os
     >>> from hybrid.checkpoint.jax import save
     >>> params = {"w": jnp.arange(6.0).reshape(2, 3)}
@@ -79,13 +84,13 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     (3, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
     """
     caps = _caps(bucket_cap_bytes, first_bucket_cap_bytes, pairing, mapping)
+    ckpt = open_checkpoint(path, format=format)
     if mapping is not None:
-        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order, path=path,
-                            host=False)
-        loaded_params, loaded_state, step = load(path, view.params, view.state, order=view.order, **caps)
+        view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order,
+                            checkpoint=ckpt, host=False)
+        loaded_params, loaded_state, step = load(ckpt, view.params, view.state, order=view.order, **caps)
         return (*view.back(params, opt_state, loaded_params, loaded_state), step)
     layout = _layout(params, order, caps, ready_order, pairing)
-    ckpt = Checkpoint(path)
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()
     if isinstance(params, ParamShards):
@@ -101,7 +106,7 @@ def load(path: str | os.PathLike, params, opt_state=None, *, order=None,
     return new_params, _load_state(ckpt, layout, opt_state), ckpt.manifest.step
 
 
-def load_buffers(path: str | os.PathLike, buffers):
+def load_buffers(path, buffers, *, format: str | None = None):
     """The checkpoint's buffers (torch's persistent buffers, or what JAX saved with ``buffers=``)
     in the structure, dtypes and placement of ``buffers`` (e.g. flax's ``batch_stats``), matched by
     key-path name; a missing, extra or mis-shaped buffer raises CheckpointError naming it.
@@ -113,14 +118,14 @@ def load_buffers(path: str | os.PathLike, buffers):
     >>> load_buffers(d, {"bn": {"mean": jnp.zeros(3)}})["bn"]["mean"].tolist()
     [0.5, 0.5, 0.5]
     """
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path, format=format)
     names, leaves, treedef = _leaves(buffers)
     ckpt.check_buffers({n: tuple(np.shape(x)) for n, x in zip(names, leaves)}, what="buffers")
     saved = ckpt.buffers()
     return jax.tree_util.tree_unflatten(treedef, [_like(saved[n], x) for n, x in zip(names, leaves)])
 
 
-def _refuse_per_parameter_state(ckpt: Checkpoint, info: OptimizerInfo) -> None:
+def _refuse_per_parameter_state(ckpt: CheckpointReader, info: OptimizerInfo) -> None:
     """optax holds one count and every slot for every leaf: a torch state that does not is refused."""
     partial = [n for n in info.without_state if len(info.without_state) < len(ckpt.manifest.plan.specs)]
     if partial or info.counts or info.slot_params:
@@ -131,7 +136,7 @@ def _refuse_per_parameter_state(ckpt: Checkpoint, info: OptimizerInfo) -> None:
             f"every parameter has stepped alike")
 
 
-def _flat_slices(ckpt: Checkpoint, kinds: dict[str, tuple], shards) -> dict[str, tuple]:
+def _flat_slices(ckpt: CheckpointReader, kinds: dict[str, tuple], shards) -> dict[str, tuple]:
     """``{kind: buckets}``: every device's slices of each kind for the flat plan ``shards``, each
     bucket's global padded array placed as ``kinds[kind][b]`` is (resharded from the saved world
     size). Each process reads only the slices of the ranks its own devices hold (no communication
@@ -143,7 +148,7 @@ def _flat_slices(ckpt: Checkpoint, kinds: dict[str, tuple], shards) -> dict[str,
             for kind, old in kinds.items()}
 
 
-def _load_state(ckpt: Checkpoint, layout: _Layout, opt_state):
+def _load_state(ckpt: CheckpointReader, layout: _Layout, opt_state):
     info = ckpt.manifest.optimizer
     if info is None:
         raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")

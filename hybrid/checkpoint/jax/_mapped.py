@@ -15,31 +15,16 @@ plain save/load: ``hybrid.checkpoint.jax`` calls in.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
 
-from hybrid.core import MappingError, ParamMapping, ParamPairing, pack, shard_flat, unpack
+from hybrid.core import ParamPairing, pack, shard_flat, unpack
 from hybrid.jax import ZeroState
 from hybrid.jax._specs import _Layout, _leaves
-from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._reader import CheckpointReader
+from hybrid.checkpoint._renamed import resolve_pairing
 from hybrid.checkpoint._manifest import CheckpointError
-
-
-def _pairing(mapping, names, shapes, torch_specs=None) -> ParamPairing:
-    """The pairing of the tree's leaves with torch's tensors (those of the checkpoint on a load)."""
-    jax_shapes = dict(zip(names, shapes))
-    if isinstance(mapping, ParamMapping):
-        torch_shapes = None if torch_specs is None else {s.name: s.shape for s in torch_specs}
-        return mapping.pair(jax_shapes, torch_shapes)
-    if not isinstance(mapping, ParamPairing):
-        raise TypeError(f"mapping must be a hybrid.core.ParamMapping or ParamPairing, got {type(mapping).__name__}")
-    given = {p.jax: p.jax_shape for p in mapping.pairs}
-    if given != jax_shapes:
-        wrong = sorted(set(given.items()) ^ set(jax_shapes.items()))
-        raise MappingError(f"the pairing was made for another tree: (name, shape) in one of them only: {wrong}")
-    return mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +42,14 @@ class TorchView:
 
     @classmethod
     def of(cls, mapping, params, opt_state, *, order, caps: dict, ready_order=None,
-           path: str | os.PathLike | None = None, host: bool) -> "TorchView":
-        """The view of ``params`` / ``opt_state``; on a load (``path`` given) paired with the
+           checkpoint: CheckpointReader | None = None, host: bool) -> "TorchView":
+        """The view of ``params`` / ``opt_state``; on a load (``checkpoint`` given) paired with the
         checkpoint's tensors; ``host=True`` (a save) reads every array to the host."""
         names, leaves, treedef = _leaves(params)
         shapes = [tuple(x.shape) for x in leaves]
-        torch_specs = Checkpoint(path).manifest.plan.specs if path is not None else None
-        pairing = _pairing(mapping, names, shapes, torch_specs)
+        torch_specs = checkpoint.manifest.plan.specs if checkpoint is not None else None
+        pairing = resolve_pairing(mapping, dict(zip(names, shapes)),
+                                  None if torch_specs is None else {t.name: t.shape for t in torch_specs})
 
         def torch_named(named: dict) -> dict:
             return pairing.to_torch({n: np.asarray(v) if host else v for n, v in named.items()})

@@ -16,7 +16,8 @@ import os
 import jax
 import optax
 
-from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._formats import open_checkpoint
+from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.jax._specs import key_path_name
 
@@ -28,10 +29,10 @@ _SHARED = {"adam": ("betas", "eps", "decoupled_weight_decay"), "sgd": ("momentum
 def _manifest(checkpoint) -> Manifest:
     if isinstance(checkpoint, Manifest):
         return checkpoint
-    if isinstance(checkpoint, Checkpoint):
+    if isinstance(checkpoint, CheckpointReader):
         return checkpoint.manifest
     if isinstance(checkpoint, (str, os.PathLike)):
-        return Checkpoint(checkpoint).manifest
+        return open_checkpoint(checkpoint).manifest
     raise TypeError(f"optax_from_manifest: expected a checkpoint path, Checkpoint or Manifest, "
                     f"got {type(checkpoint).__name__}")
 
@@ -64,7 +65,7 @@ def _group_of_leaf(groups: list[dict], names: list[str], where: str) -> list[int
     return [group_of[n] for n in names]
 
 
-def optax_from_manifest(checkpoint, params) -> optax.GradientTransformation:
+def optax_from_manifest(checkpoint, params, *, mapping=None) -> optax.GradientTransformation:
     """The optax transform continuing a checkpoint's torch optimizer (Adam, AdamW, SGD), group by group.
 
     Every leaf of ``params`` (named by key path, as the checkpoint names its tensors) gets the lr
@@ -75,8 +76,11 @@ def optax_from_manifest(checkpoint, params) -> optax.GradientTransformation:
     ``hybrid.checkpoint.jax.load``.
 
     Args:
-      checkpoint: a checkpoint directory, a :class:`Checkpoint` or its :class:`Manifest`.
+      checkpoint: a checkpoint directory (any format hybrid reads: a torch DCP checkpoint's param
+        groups too), an opened checkpoint or its :class:`Manifest`.
       params: the JAX parameter tree the run continues with.
+      mapping: a ``hybrid.core.ParamMapping`` (or ``ParamPairing``) where the tree's names are
+        not torch's (a flax model): the groups' torch names are placed on its leaves through it.
 
     Returns:
       An ``optax.GradientTransformation``; a :class:`CheckpointError` names what cannot be
@@ -105,7 +109,20 @@ def optax_from_manifest(checkpoint, params) -> optax.GradientTransformation:
     if info.name not in ("adam", "adamw", "sgd") or not groups:
         raise CheckpointError(f"{where}: needs the param_groups of a torch Adam, AdamW or SGD; the checkpoint "
                               f"holds {info.name!r} with hyperparameters {sorted(info.hyperparameters)}")
+    if mapping is not None:
+        groups = _jax_named(groups, mapping, manifest, params)
     return optax_from_param_groups(info.name, groups, params, where=where)
+
+
+def _jax_named(groups: list[dict], mapping, manifest: Manifest, params) -> list[dict]:
+    """``groups`` with their torch parameter names given as the tree's names, through ``mapping``."""
+    from hybrid.checkpoint._renamed import resolve_pairing
+    pairs, _ = jax.tree_util.tree_flatten_with_path(params)
+    pairing = resolve_pairing(mapping, {key_path_name(p): tuple(x.shape) for p, x in pairs},
+                              {s.name: s.shape for s in manifest.plan.specs})
+    jax_name = {p.torch: p.jax for p in pairing.pairs}
+    return [{**g, "param_names": [jax_name[n] for n in g["param_names"]]} if "param_names" in g else g
+            for g in groups]
 
 
 def optax_from_param_groups(name: str, groups: list[dict], params, *, where: str = "optax_from_param_groups"

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._formats import open_checkpoint
+from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.core import BucketPlan
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint.torch._state import (
@@ -23,7 +24,7 @@ from hybrid.checkpoint.torch._state import (
 _NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")
 
 
-def state_dicts(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def state_dicts(path: str | os.PathLike, *, format: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A checkpoint as torch's two dicts: ``model.state_dict()`` (parameters and buffers by name),
     and the state dict of a plain optimizer over ``model.parameters()`` with the saved param groups
     (the format ``ZeroRedundancyOptimizer.consolidate_state_dict`` + ``state_dict()`` gives).
@@ -37,7 +38,7 @@ def state_dicts(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[
     >>> sorted(model_sd), sorted(opt_sd["state"][0])
     (['bias', 'weight'], ['momentum_buffer'])
     """
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path, format=format)
     ckpt.verify()
     specs = ckpt.manifest.plan.specs
     likes = [torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in specs]
@@ -65,7 +66,7 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
 
 
-def torch_states(ckpt: Checkpoint, info: OptimizerInfo, likes: list[torch.Tensor],
+def torch_states(ckpt: CheckpointReader, info: OptimizerInfo, likes: list[torch.Tensor],
                  names=None) -> dict[int, dict[str, Any]]:
     """torch's per-parameter state (checkpoint order) from the slots: nothing for a parameter the
     manifest says has no state, each its own step count, only the slots it holds. ``names``: only
@@ -86,8 +87,8 @@ def torch_states(ckpt: Checkpoint, info: OptimizerInfo, likes: list[torch.Tensor
     return state
 
 
-def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, scheduler=None,
-         hyperparameters: str = "checkpoint", buffers: bool = True, restore_buckets: bool = False) -> int:
+def load(path, module: nn.Module, optimizer=None, *, scheduler=None, hyperparameters: str = "checkpoint",
+         buffers: bool = True, restore_buckets: bool = False, format: str | None = None, mapping=None) -> int:
     """Load a checkpoint (saved by either frontend, at any world size) into ``module``,
     ``optimizer`` and ``scheduler``, as torch's ``load_state_dict`` calls would; returns the saved step.
 
@@ -115,6 +116,12 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
         rounded differently (about 1e-7). Needs a checkpoint saved by hybrid's DDP after its
         rebuild, and a DDP built with the same bucket caps, ``find_unused_parameters`` and
         ``static_graph`` (each checked before anything changes).
+      format: ``"hybrid"``, ``"dcp"`` (torch's distributed checkpoint, e.g. from FSDP2) or
+        ``"orbax"`` to insist on one; default: recognised from the directory. ``path`` may also
+        be a checkpoint opened by ``hybrid.checkpoint.open_checkpoint`` (for its options).
+      mapping: a ``hybrid.core.ParamMapping`` (or ``ParamPairing``) for a checkpoint in a JAX
+        tree's names and layouts (an orbax checkpoint of a flax model): each tensor is placed on
+        the module's side through it; one it cannot place is a ``MappingError`` naming it.
 
     >>> import torch, tempfile, os
     >>> from hybrid.checkpoint.torch import save
@@ -132,11 +139,11 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
     if restore_buckets and _is_zero3(module):
         raise TypeError("load(restore_buckets=True) restores hybrid.torch.DistributedDataParallel's buckets; "
                         "ZeRO3 plans its buckets once, from the module (nothing to restore)")
+    ckpt = _open(path, module, format, mapping)
     if _is_zero3(module):  # each rank reads the elements of its own slices
         from hybrid.checkpoint.torch._zero3 import load_zero3
-        return load_zero3(path, module, optimizer, scheduler=scheduler, hyperparameters=hyperparameters,
+        return load_zero3(ckpt, module, optimizer, scheduler=scheduler, hyperparameters=hyperparameters,
                           buffers=buffers)
-    ckpt = Checkpoint(path)
     named = named_parameters(module)
     what = type(_unwrap(module)).__name__
     ckpt.check_model(_specs(named), what=what)
@@ -173,7 +180,26 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
     return ckpt.manifest.step
 
 
-def saved_ddp_plan(ckpt: Checkpoint, module: nn.Module) -> BucketPlan:
+def _open(path, module, format, mapping) -> CheckpointReader:
+    """The checkpoint at ``path`` (any format), under the module's names (through ``mapping``)."""
+    if _is_zero3(module):
+        names, shapes = list(module._names), {s.name: s.shape for s in module.bucket_plan.specs}
+    else:
+        named = named_parameters(module)
+        names, shapes = [n for n, _ in named], {n: tuple(p.shape) for n, p in named}
+    if mapping is None:
+        ckpt = open_checkpoint(path, format=format, param_names=names)
+        saved = {s.name for s in ckpt.manifest.plan.specs}
+        if ckpt.manifest.framework == "jax" and ckpt.format != "hybrid" and saved != set(names):
+            raise CheckpointError(f"{ckpt.path}: an {ckpt.format} checkpoint of a JAX tree ({sorted(saved)[:3]}...), "
+                                  f"the module has {names[:3]}...: pass mapping= (a hybrid.core.ParamMapping) to "
+                                  f"place its tensors")
+        return ckpt
+    from hybrid.checkpoint._renamed import to_torch_names
+    return to_torch_names(open_checkpoint(path, format=format), mapping, shapes)
+
+
+def saved_ddp_plan(ckpt: CheckpointReader, module: nn.Module) -> BucketPlan:
     """The rebuilt bucket plan the checkpoint recorded, once it is known to fit ``module``."""
     from hybrid.torch import DistributedDataParallel
     if not isinstance(module, DistributedDataParallel):
@@ -200,7 +226,7 @@ def saved_ddp_plan(ckpt: Checkpoint, module: nn.Module) -> BucketPlan:
     return plan
 
 
-def _restored_groups(ckpt: Checkpoint, optimizer, group_names: list[list[str]]) -> list[dict]:
+def _restored_groups(ckpt: CheckpointReader, optimizer, group_names: list[list[str]]) -> list[dict]:
     """The receiving optimizer's groups with the saved hyperparameters of the group holding the
     same parameters (torch restores every key but ``params``)."""
     own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -226,7 +252,7 @@ def _restored_groups(ckpt: Checkpoint, optimizer, group_names: list[list[str]]) 
     return out
 
 
-def saved_groups(ckpt: Checkpoint, optimizer, name_of: dict[int, str], hyperparameters: str):
+def saved_groups(ckpt: CheckpointReader, optimizer, name_of: dict[int, str], hyperparameters: str):
     """``(the checkpoint's OptimizerInfo, the hyperparameters each param group gets)``, once the
     saved state is known to fit ``optimizer`` (its slots, AMSGrad's ``max_nu``)."""
     info = ckpt.manifest.optimizer
@@ -248,7 +274,7 @@ def saved_groups(ckpt: Checkpoint, optimizer, name_of: dict[int, str], hyperpara
     return info, groups
 
 
-def _optimizer_state_dict(ckpt: Checkpoint, named, optimizer, hyperparameters: str) -> dict[str, Any]:
+def _optimizer_state_dict(ckpt: CheckpointReader, named, optimizer, hyperparameters: str) -> dict[str, Any]:
     name_of = {id(p): n for n, p in named}
     order = _params_in_state_order(optimizer)
     unknown = [i for i, p in enumerate(order) if id(p) not in name_of]

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybrid.checkpoint._files import Checkpoint
+from hybrid.checkpoint._formats import open_checkpoint
+from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._protocol import begin_save
 from hybrid.checkpoint.torch._commit import abandoned_on_failure, named_collective, write_and_commit
@@ -107,13 +108,13 @@ def save_zero3(path: str | os.PathLike, model, optimizer, *, step: int, extras: 
                                 world_size, group)
 
 
-def load_zero3(path: str | os.PathLike, model, optimizer, *, scheduler, hyperparameters: str, buffers: bool) -> int:
+def load_zero3(path, model, optimizer, *, scheduler, hyperparameters: str, buffers: bool) -> int:
     """:func:`hybrid.checkpoint.torch.load` into a ZeRO3 model (and its ZeRO3Optimizer): each rank
     reads the elements of its own slices, from any saved plan and world size. Every check runs
     before anything changes."""
     from hybrid.checkpoint.torch._load import saved_groups  # _load dispatches here: imported late
 
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path, param_names=list(model._names))
     ckpt.check_model(model.bucket_plan.specs, what="ZeRO3")
     named_bufs = named_buffers(model) if buffers else []
     if buffers:
@@ -147,7 +148,7 @@ def load_zero3(path: str | os.PathLike, model, optimizer, *, scheduler, hyperpar
     return ckpt.manifest.step
 
 
-def _optimizer_slices(ckpt: Checkpoint, reshard, model, optimizer, hyperparameters: str, saved_groups):
+def _optimizer_slices(ckpt: CheckpointReader, reshard, model, optimizer, hyperparameters: str, saved_groups):
     """The inner optimizer's new state (per master segment) and groups' hyperparameters."""
     names = model._names
     info, groups = saved_groups(ckpt, optimizer, {id(p): n for p, n in zip(model._params, names)}, hyperparameters)

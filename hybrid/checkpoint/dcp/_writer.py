@@ -1,0 +1,136 @@
+"""Writing a checkpoint (hybrid's, or any format hybrid reads, under torch's names) as a torch DCP
+directory that torch's own ``dcp.load`` and ``set_state_dict`` read into an FSDP2 model.
+
+The state dict written is the one ``get_state_dict(model, optimizer)`` gives, whole tensors under
+``{"model": ..., "optim": ...}`` (torch's recipe; other keys with ``model_key`` / ``optim_key``),
+written by torch's ``dcp.save`` in this process. A resuming FSDP2 run does what it does with its
+own checkpoints:
+
+.. code-block:: python
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)        # each rank reads its shards of the whole tensors
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+The param groups are complete for this torch's optimizer class (its defaults, then the saved
+values), because ``dcp.load`` wants every key the receiving optimizer's groups have. The
+training step is written as a top-level ``step`` (``dcp.load`` loads only the keys asked for).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from hybrid.checkpoint._formats import open_checkpoint
+from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
+from hybrid.checkpoint.torch._state import TORCH_KEY_OF_SLOT
+
+_CLASSES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def _tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.int16).view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def torch_param_groups(info: OptimizerInfo, names: list[str], given=None, *, where: str) -> list[dict]:
+    """The param groups to write: ``given`` (torch's group dicts, ``params`` or ``param_names``
+    by name) or the checkpoint's, each completed with the optimizer class's defaults."""
+    cls = _CLASSES.get(info.name)
+    if cls is None:
+        raise CheckpointError(f"{where}: holds {info.name!r} state; torch DCP checkpoints are written for "
+                              f"{sorted(_CLASSES)}")
+    groups = list(given) if given is not None else list(info.hyperparameters.get("param_groups") or ())
+    if not groups:
+        raise CheckpointError(f"{where}: records no torch param groups (a JAX save without hyperparameters="
+                              f"{{'param_groups': [...]}}?): pass param_groups= (torch's group dicts, parameters "
+                              f"by name) so the resuming optimizer gets its hyperparameters")
+    defaults = dict(cls([torch.zeros(1, requires_grad=True)]).defaults)
+    out, placed = [], []
+    for i, g in enumerate(groups):
+        if g.get("not_saved"):
+            raise CheckpointError(f"{where}: param group {i}'s {g['not_saved']} were not saved (not JSON: a tensor "
+                                  f"lr?): pass param_groups= with their values")
+        group_names = list(g.get("param_names", g.get("params", names if len(groups) == 1 else ())))
+        hyper = {k: (tuple(v) if isinstance(defaults.get(k), tuple) else v) for k, v in g.items()
+                 if k not in ("params", "param_names", "not_saved")}
+        out.append({**defaults, **hyper, "params": group_names})
+        placed += group_names
+    if sorted(placed) != sorted(names):
+        raise CheckpointError(f"{where}: the param groups hold {sorted(placed)}, the checkpoint's parameters are "
+                              f"{sorted(names)}: each parameter in exactly one group")
+    return out
+
+
+def dcp_state_dict(checkpoint, *, model_key: str = "model", optim_key: str = "optim", param_groups=None) -> dict:
+    """The state dict :func:`write_dcp` saves (whole tensors): ``{model_key: model_sd, optim_key:
+    optim_sd, "step": step}`` as ``get_state_dict`` gives them. Everything is checked first."""
+    ckpt = open_checkpoint(checkpoint)
+    m, where = ckpt.manifest, str(ckpt.path)
+    names = [s.name for s in m.plan.specs]
+    info = m.optimizer
+    groups = torch_param_groups(info, names, param_groups, where=where) if info is not None else None
+    ckpt.verify()
+    dtypes = {s.name: s.dtype for s in m.plan.specs}
+    model = {n: _tensor(a, dtypes[n]) for n, a in ckpt.tensors("params").items()}
+    for n, a in ckpt.buffers().items():
+        model[n] = _tensor(a, m.buffers[n]["dtype"])
+    out: dict = {model_key: model, "step": torch.tensor(m.step)}
+    if info is not None:
+        slots = {s: ckpt.tensors(s) for s in info.slots}
+        state = {}
+        for n in names:
+            if not info.has_state(n):
+                continue
+            st = {} if info.name == "sgd" else {"step": torch.tensor(float(info.count_of(n)))}
+            st.update({TORCH_KEY_OF_SLOT[s]: _tensor(slots[s][n], dtypes[n]) for s in info.slots if info.holds(s, n)})
+            state[n] = st
+        out[optim_key] = {"state": state, "param_groups": groups}
+    return out
+
+
+def write_dcp(checkpoint, path: str | os.PathLike, *, model_key: str = "model", optim_key: str = "optim",
+              param_groups=None) -> None:
+    """Write ``checkpoint`` (a path or an opened checkpoint, under torch's names) as a torch DCP
+    directory at ``path`` with torch's own ``dcp.save`` (one process: whole tensors, which
+    ``dcp.load`` reshards onto any FSDP2 mesh). ``path`` must not exist; use
+    ``hybrid.checkpoint.convert`` for a write that leaves nothing there unless it completes.
+
+    Args:
+      model_key, optim_key: the keys of the model's and the optimizer's state dicts.
+      param_groups: torch's group dicts (parameters by name), for a checkpoint that records none.
+
+    >>> import os, tempfile, torch, torch.distributed.checkpoint as dcp
+    >>> from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    >>> from hybrid.checkpoint import torch as ckpt
+    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> root = tempfile.mkdtemp(); _ = ckpt.save(os.path.join(root, "h"), model, opt, step=1)
+    >>> write_dcp(os.path.join(root, "h"), os.path.join(root, "dcp"))
+    >>> fresh = torch.nn.Linear(3, 2); fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    >>> model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    >>> state = {"model": model_sd, "optim": optim_sd}
+    >>> dcp.load(state, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
+    >>> _ = set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    >>> torch.equal(fresh.weight, model.weight), fresh_opt.param_groups[0]["lr"]
+    (True, 0.1)
+    """
+    if os.path.lexists(path):
+        raise FileExistsError(f"write_dcp: {path} exists; DCP writes into a directory in place")
+    save_here(dcp_state_dict(checkpoint, model_key=model_key, optim_key=optim_key, param_groups=param_groups), path)
+
+
+def save_here(state: dict, path: str | os.PathLike) -> None:
+    """torch's ``dcp.save`` of whole tensors from this process alone (no collectives, whatever
+    process group exists: the warning that it assumes so is the intent here)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(path)), no_dist=True)
