@@ -111,7 +111,7 @@ def _autocast(dtype: str, device: torch.device):
 def _facts(name: str, net) -> dict:
     """What a variant's own plan says, for the header: buckets, and whether the kernels copy."""
     if name in ("hybrid_ddp", "hybrid_zero1"):
-        return {"buckets": net.bucket_plan.num_buckets, "kernels": bool(net._kernel_copy)}
+        return {"buckets": net.bucket_plan.num_buckets, "kernels": net._reducer.buckets.kernel_copy}
     if name == "hybrid_zero3":
         return {"buckets": net.bucket_plan.num_buckets}
     return {}
