@@ -66,6 +66,7 @@ def _group_state(optimizer) -> dict[int, tuple[int | None, list[str]]]:
 def save_zero3(path: str | os.PathLike, model, optimizer, *, step: int, extras: dict) -> Manifest | None:
     """:func:`hybrid.checkpoint.torch.save` of a ZeRO3 model (and its ZeRO3Optimizer): a collective."""
     group, rank, world_size = model.process_group, model.rank, model.world_size
+    model._guard.enter("hybrid.checkpoint.torch.save")
     plan, shards = model.bucket_plan, model.shards
     names = model._names
     dtypes = [b.dtype for b in plan.buckets]

@@ -52,7 +52,8 @@ class ParamBuckets:
     """This rank's parameter slices, and the full buckets gathered from them on demand.
 
     Args:
-      params: the parameters to shard, indexed as the plan's specs; their values are read once.
+      params: the parameters to shard, indexed as the plan's specs; their values are read once
+        (rank 0's), unless ``slices`` are given.
       shards: the flat shard plan (one equal slice per rank of every padded bucket).
       rank, group: this rank and the process group the buckets are sharded over.
       compute_dtype: the dtype of the gathered buckets (mixed precision's ``param_dtype``), or
@@ -60,10 +61,13 @@ class ParamBuckets:
       flat_collectives: gather with ``all_gather`` (True) or with one broadcast per rank, which is
         faster on gloo (see ZeRO2).
       working: counts the gathered buckets' bytes.
+      slices: this rank's slices, made already (a meta module's, initialised unit by unit).
+      device: where the buckets live (default: the parameters' device).
     """
 
     def __init__(self, params: list[torch.Tensor], shards: FlatShardPlan, rank: int, *, group,
-                 compute_dtype: torch.dtype | None, flat_collectives: bool, working: WorkingSet):
+                 compute_dtype: torch.dtype | None, flat_collectives: bool, working: WorkingSet,
+                 slices: list[torch.Tensor] | None = None, device: torch.device | None = None):
         self.shards, self.rank, self.group = shards, rank, group
         self.world_size = shards.world_size
         self.flat_collectives = flat_collectives
@@ -76,17 +80,21 @@ class ParamBuckets:
         self.working = working
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for b, bucket in enumerate(shards.bucket_plan.buckets):
-            # DDP's start: every rank takes rank 0's values. One full bucket at a time.
             first = params[bucket.members[0]]
-            flat = torch.zeros(shards.padded_length(b), dtype=first.dtype, device=first.device)
-            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                flat[o:o + n].copy_(params[m].detach().reshape(-1))
-            if self.world_size > 1:
-                dist.broadcast(flat, src=src, group=group)
-            start, stop = shards.shard_range(b, rank)
-            self.slices.append(flat[start:stop].clone())
-            flat.untyped_storage().resize_(0)  # now, not when the backend drops the broadcast
-            full = torch.empty(0, dtype=compute_dtype or first.dtype, device=first.device)
+            where = first.device if device is None else device
+            if slices is not None:
+                self.slices.append(slices[b])
+            else:
+                # DDP's start: every rank takes rank 0's values. One full bucket at a time.
+                flat = torch.zeros(shards.padded_length(b), dtype=first.dtype, device=where)
+                for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                    flat[o:o + n].copy_(params[m].detach().reshape(-1))
+                if self.world_size > 1:
+                    dist.broadcast(flat, src=src, group=group)
+                start, stop = shards.shard_range(b, rank)
+                self.slices.append(flat[start:stop].clone())
+                flat.untyped_storage().resize_(0)  # now, not when the backend drops the broadcast
+            full = torch.empty(0, dtype=compute_dtype or first.dtype, device=where)
             for m in bucket.members:
                 self.work[m] = torch.nn.Parameter(full.new_empty(0))  # a view of the buffer, next
             self.full.append(full)
@@ -163,10 +171,12 @@ class ParamBuckets:
             self.state[b] = READY
         assert self.state[b] == READY, f"bucket {b} is {self.state[b]}, not gathered"
 
-    def free(self, b: int, *, quiet: bool = False) -> None:
+    def free(self, b: int, *, quiet: bool = False, renew: bool = False) -> None:
         """Release bucket ``b``'s full buffer (after its gather, if one is in flight: the backend
         must not write into freed memory). ``quiet``: on an error path, a failed gather is not
-        raised again (the error being handled is the one to report)."""
+        raised again (the error being handled is the one to report). ``renew``: leave the buffer
+        to whoever still references it (it is freed when they let go) and gather into a new one
+        from now on, rather than freeing the memory under them."""
         if self.state[b] == FREE:
             return
         if self.state[b] == GATHERING:
@@ -177,7 +187,7 @@ class ParamBuckets:
                     raise
                 return  # wait() freed it
         storage = self.full[b].untyped_storage()
-        if storage.resizable():
+        if storage.resizable() and not renew:
             storage.resize_(0)
         else:
             # Someone shares the gathered memory: torch makes a storage non-resizable once numpy
@@ -187,9 +197,9 @@ class ParamBuckets:
         self.working.sub(self._nbytes(b))
         self.state[b] = FREE
 
-    def free_all(self, *, quiet: bool = False) -> None:
+    def free_all(self, *, quiet: bool = False, renew: bool = False) -> None:
         for b in range(self.num_buckets):
-            self.free(b, quiet=quiet)
+            self.free(b, quiet=quiet, renew=renew)
 
     @torch.no_grad()
     def write_back(self, b: int) -> None:
