@@ -34,14 +34,22 @@ def _same(ours: torch.Tensor, ref: torch.Tensor, world_size: int, what: str) -> 
         torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=what)
 
 
-def used_anywhere(rank: int, world_size: int, *, model: str, layout: str) -> None:
+def _declared(model: Siblings) -> dict:
+    """What DeepSpeed has users declare by hand (``register_external_parameter``): ``reader``'s
+    forward reads ``mix.weight``; the parent's forward reads ``out``'s parameters."""
+    return {"external_params": {model.reader: [model.mix.weight], model: [model.out.weight, model.out.bias]}}
+
+
+def used_anywhere(rank: int, world_size: int, *, model: str, layout: str, declare: bool = False) -> None:
     make, data = MODELS[model]
-    pair = Pair("adam", LAYOUTS[layout], model=make())
+    pair = Pair("adam", LAYOUTS[layout], model=make(), zero3_options=_declared if declare else None)
     launched = _count_reductions(pair)
     for step in range(3):
         del launched[:]
         pair.backward(data(rank, step))
         assert launched == list(range(pair.zero.bucket_plan.num_buckets)), f"step {step}: reduced {launched}"
+        if declare:  # declared: gathered by the modules that read them, none kept for the backward
+            assert not pair.zero._schedule._kept, pair.zero._schedule._kept
         pair.step()
         pair.check(world_size, f"step {step}")
     assert pair.zero._working.live == 0, "a bucket outlived its backward"
@@ -77,4 +85,6 @@ def inner_module_calls(rank: int, world_size: int, *, model: str) -> None:
 
 CASES = {f"used_anywhere[{m}-{layout}]": functools.partial(used_anywhere, model=m, layout=layout)
          for m in MODELS for layout in ("default", "four_buckets", "four_buckets_kept")}
+CASES["used_anywhere[siblings-four_buckets-declared]"] = functools.partial(
+    used_anywhere, model="siblings", layout="four_buckets", declare=True)
 CASES.update({f"inner_module_calls[{m}]": functools.partial(inner_module_calls, model=m) for m in MODELS})

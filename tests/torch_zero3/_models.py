@@ -83,3 +83,45 @@ class _Reader(nn.Module):
 def tokens(rank: int, step: int, *, vocab: int = 11, batch: int = 4, length: int = 6) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+class Mixed(nn.Module):
+    """torch's own layers, each initialised by the ``reset_parameters()`` its constructor calls:
+    an embedding, LayerNorm, BatchNorm (running statistics: buffers), convolution and Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.ln = nn.LayerNorm(8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, idx):
+        h = self.ln(self.emb(idx))
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2).mean(1)
+        return self.out(torch.tanh(self.bn(self.fc(h))))
+
+
+class CausalMixer(nn.Module):
+    """A causal mask kept as a non-persistent buffer, computed in ``__init__`` (not saved, not set
+    by any ``reset_parameters``): a meta build needs an ``init_fn`` that computes it."""
+
+    def __init__(self, length: int = 6, d: int = 8):
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(length, length)), persistent=False)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        weights = torch.softmax(self.mask.log()[: x.shape[1], : x.shape[1]], dim=-1)
+        return self.proj(weights @ x)
+
+
+def causal_init(m: nn.Module) -> None:
+    """The ``init_fn`` for :class:`CausalMixer`: the mask as ``__init__`` computes it, torch's own init
+    for the rest."""
+    if isinstance(m, CausalMixer):
+        m.mask.copy_(torch.tril(torch.ones_like(m.mask)))
+    elif hasattr(m, "reset_parameters"):
+        m.reset_parameters()

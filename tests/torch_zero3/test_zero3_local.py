@@ -203,3 +203,29 @@ def test_numpy_views_inside_gathered(world_of_one):
         for name, p in plain.named_parameters():
             assert torch.equal(model.module.get_parameter(name), p), name
     assert model._buckets.working.live == 0
+
+
+def test_external_params_errors_name_the_culprit(world_of_one):
+    from tests.torch_zero3._models import Siblings
+    model = Siblings()
+    model.inp.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"external_params: Linear .* is not a module of the wrapped model"):
+        ZeRO3(model, external_params={torch.nn.Linear(2, 2): [model.mix.weight]})
+    with pytest.raises(ValueError, match=r"external_params\['reader'\]: 'inp.weight', which is not sharded"):
+        ZeRO3(model, external_params={model.reader: [model.inp.weight]})
+    with pytest.raises(ValueError, match=r"external_params\['the root module'\]: a tensor of shape \(3,\) that is no "
+                                         r"parameter"):
+        ZeRO3(model, external_params={model: [torch.nn.Parameter(torch.ones(3))]})
+    with pytest.raises(TypeError, match="external_params must map modules"):
+        ZeRO3(model, external_params=[model.mix.weight])
+
+
+def test_a_read_outside_any_forward_names_the_parameter(world_of_one):
+    """Outside a forward, its backward and gathered(), a read of a parameter raises naming it and
+    the calls that work; inside a forward, the same read computes (the parent's head)."""
+    from tests.torch_zero3._models import TinyGPT
+    model = ZeRO3(TinyGPT())
+    with pytest.raises(RuntimeError, match=r"parameter 'emb.weight': T is not available: it is sharded .*"
+                                           r"only while a forward \(model\(x\) or model.module\(x\)\)"):
+        model.module.emb.weight.T
+    model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()

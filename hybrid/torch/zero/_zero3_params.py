@@ -73,6 +73,7 @@ class ParamBuckets:
         self.flat_collectives = flat_collectives
         self.slices: list[torch.Tensor] = []
         self.full: list[torch.Tensor] = []
+        self._unmade: list[bool] = []  # no buffer of the bucket's size yet: made at the next gather
         # The parameters the module computes with: views into the full buffers, one per spec.
         self.work: list[torch.nn.Parameter] = [None] * len(params)
         self.state: list[str] = []
@@ -96,37 +97,52 @@ class ParamBuckets:
                 flat.untyped_storage().resize_(0)  # now, not when the backend drops the broadcast
             full = torch.empty(0, dtype=compute_dtype or first.dtype, device=where)
             for m in bucket.members:
-                self.work[m] = torch.nn.Parameter(full.new_empty(0))  # a view of the buffer, next
+                self.work[m] = torch.nn.Parameter(full.new_empty(0))  # a view of the buffer, once made
             self.full.append(full)
+            self._unmade.append(True)
             self.state.append(FREE)
-            self._new_buffer(b)
 
     def _new_buffer(self, b: int) -> None:
-        """Give bucket ``b`` a full buffer of no storage yet, its working parameters views into it."""
+        """Bucket ``b`` gets a new full buffer at its next gather; the old one stays with whoever
+        still holds a view of it. Till then its working parameters hold no element."""
+        old = self.full[b]
+        empty = torch.empty(0, dtype=old.dtype, device=old.device)
+        with torch.no_grad():
+            for m in self.shards.bucket_plan.buckets[b].members:
+                self.work[m].data = empty
+        self.full[b] = empty
+        self._unmade[b] = True
+
+    def _allocate(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s full buffer with memory: its storage resized back, or, the first time (and
+        after :meth:`_new_buffer`), a new buffer with the working parameters made views into it.
+        Made here and not earlier: an empty buffer cannot take views of the bucket's size."""
+        if not self._unmade[b]:
+            self.full[b].untyped_storage().resize_(self._nbytes(b))
+            return self.full[b]
         plan = self.shards.bucket_plan
-        bucket, old = plan.buckets[b], self.full[b]
+        old = self.full[b]
         full = torch.empty(self.shards.padded_length(b), dtype=old.dtype, device=old.device)
         with torch.no_grad():
-            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+            for m, o, n in zip(plan.buckets[b].members, plan.buckets[b].offsets, plan.buckets[b].numels):
                 # Set through .data: the view gets a version counter of its own, so writing
                 # the buffer (a gather) does not look like an in-place change to autograd.
                 self.work[m].data = full[o:o + n].view(plan.specs[m].shape)
-        full.untyped_storage().resize_(0)
-        self.full[b] = full
+        self.full[b], self._unmade[b] = full, False
+        return full
 
     @property
     def num_buckets(self) -> int:
         return len(self.full)
 
     def _nbytes(self, b: int) -> int:
-        return self.full[b].numel() * self.full[b].element_size()
+        return self.shards.padded_length(b) * self.full[b].element_size()
 
     def gather(self, b: int, phase: str) -> None:
         """Start gathering bucket ``b`` (no-op unless it is free); :meth:`wait` before use."""
         if self.state[b] != FREE:
             return
-        full = self.full[b]
-        full.untyped_storage().resize_(self._nbytes(b))
+        full = self._allocate(b)
         self.working.add(self._nbytes(b))
         self.state[b] = GATHERING
         self._works[b] = self._issue(full, b, phase)
@@ -190,9 +206,9 @@ class ParamBuckets:
         if storage.resizable() and not renew:
             storage.resize_(0)
         else:
-            # Someone shares the gathered memory: torch makes a storage non-resizable once numpy
-            # views it (`.numpy()` of a parameter inside gathered(), say). It stays theirs; the
-            # bucket gathers into a new buffer from now on.
+            # Someone may share the gathered memory (renew: the end of gathered(); torch makes a
+            # storage non-resizable once numpy views it). It stays theirs; the bucket gathers into
+            # a new buffer from now on.
             self._new_buffer(b)
         self.working.sub(self._nbytes(b))
         self.state[b] = FREE
