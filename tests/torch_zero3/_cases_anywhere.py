@@ -84,7 +84,7 @@ def inner_module_calls(rank: int, world_size: int, *, model: str) -> None:
 
 
 CASES = {f"used_anywhere[{m}-{layout}]": functools.partial(used_anywhere, model=m, layout=layout)
-         for m in MODELS for layout in ("default", "four_buckets", "four_buckets_kept")}
+         for m in MODELS for layout in ("default", "four_buckets", "four_buckets_kept", "memory_policy")}
 CASES["used_anywhere[siblings-four_buckets-declared]"] = functools.partial(
     used_anywhere, model="siblings", layout="four_buckets", declare=True)
 CASES.update({f"inner_module_calls[{m}]": functools.partial(inner_module_calls, model=m) for m in MODELS})

@@ -32,6 +32,7 @@ LAYOUTS = {
     "six_buckets_prefetch_3": {"bucket_cap_mb": 0.00004, "prefetch": 3},
     "four_buckets_kept": {"bucket_cap_mb": 0.0001, "reshard_after_forward": False},
     "four_buckets_flat": {"bucket_cap_mb": 0.0001, "flat": True},
+    "memory_policy": {"policy": "memory"},  # a bucket per module, nothing kept for the backward
 }
 
 def use_flat_collectives(model: ZeRO3) -> None:

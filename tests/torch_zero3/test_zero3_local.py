@@ -68,6 +68,8 @@ def _mlp():
     (lambda: ZeRO3(_mlp(), prefetch=True), ValueError, "prefetch must be an int >= 0"),
     (lambda: ZeRO3(_mlp(), bucket_cap_mb=0), ValueError, "bucket_cap_mb must be > 0, got 0"),
     (lambda: ZeRO3(_mlp().requires_grad_(False)), ValueError, "no parameter that requires a gradient"),
+    (lambda: ZeRO3(_mlp(), policy="fast"), ValueError, r"policy must be one of \('speed', 'memory'\), got 'fast'"),
+    (lambda: ZeRO3(_mlp(), policy="memory", bucket_cap_mb=1), ValueError, "give it or bucket_cap_mb=, not both"),
     (lambda: ZeRO3Optimizer(_mlp(), torch.optim.SGD, lr=0.1), TypeError, "needs a hybrid.torch.ZeRO3 model, got Sequential"),
     (lambda: ZeRO3Optimizer(ZeRO3(_mlp()), "sgd"), TypeError, "optimizer_class must be a torch.optim.Optimizer subclass"),
 ])

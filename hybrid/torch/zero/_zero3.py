@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from hybrid.core import BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, shard_flat, zero3_plan
+from hybrid.core import (BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, shard_flat, zero3_group_plan,
+                         zero3_plan)
 from hybrid.torch._call_guard import CallGuard
 from hybrid.torch.ddp._parts import _reduced_parameters
 from hybrid.torch.zero._zero3_grads import GradReducer
@@ -32,6 +33,17 @@ from hybrid.torch.zero._zero3_state import full_state_dict, load_state_dict
 __all__ = ["ZeRO3"]
 
 MiB = 1 << 20
+POLICIES = ("speed", "memory")
+
+
+def _owners(module: nn.Module, index_of: dict[int, int]) -> list[int]:
+    """Per sharded parameter, the first module (in ``modules()`` order) holding it: its group."""
+    owner = {}
+    for k, m in enumerate(module.modules()):
+        for p in m._parameters.values():
+            if p is not None and id(p) in index_of:
+                owner.setdefault(index_of[id(p)], k)
+    return [owner[i] for i in range(len(index_of))]
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -86,6 +98,12 @@ class ZeRO3(nn.Module):
         only its slices; the values are bit for bit those of the same calls on a CPU build under
         rank 0's RNG state. See ``hybrid.torch.zero._zero3_init``.
       device: where a meta-built model's slices, buffers and gathered buckets live (default CPU).
+      policy: ``"speed"`` (the default): the plan above, fewer and larger buckets, the forward's
+        last bucket kept for the backward. ``"memory"``: a bucket per module (its own
+        parameters: FSDP2's unit when ``fully_shard`` wraps every layer, whatever its size) and
+        nothing kept between the forward and the backward, so a rank holds at most a module or
+        two gathered; a collective per module, which costs step time where modules are small
+        (docs/zero.md, "Memory or speed").
       external_params: ``{module: [parameters]}``: parameters of other modules that ``module``'s
         forward reads, gathered with its own (DeepSpeed's ``register_external_parameter``).
         Needed only for speed: a read outside the parameter's own module is seen where it
@@ -108,7 +126,7 @@ class ZeRO3(nn.Module):
     def __init__(self, module: nn.Module, *, process_group=None, bucket_cap_mb: float | None = None,
                  prefetch: int = 1, reshard_after_forward: bool = True, mp_policy: Any = None,
                  init_fn: Callable[[nn.Module], None] | None = None, device: torch.device | str | None = None,
-                 external_params: Mapping[nn.Module, Iterable[nn.Parameter]] | None = None):
+                 external_params: Mapping[nn.Module, Iterable[nn.Parameter]] | None = None, policy: str = "speed"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ZeRO3 wraps a torch.nn.Module, got {type(module).__name__}")
@@ -116,6 +134,11 @@ class ZeRO3(nn.Module):
             raise ValueError(f"prefetch must be an int >= 0 (buckets gathered ahead), got {prefetch!r}")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy == "memory" and bucket_cap_mb is not None:
+            raise ValueError("ZeRO3: policy='memory' makes a bucket of each module's parameters, whatever their "
+                             "size; give it or bucket_cap_mb=, not both")
         meta = is_meta_module(module)
         if not meta and (init_fn is not None or device is not None):
             raise ValueError("ZeRO3: init_fn= and device= are for a module built on the meta device (with "
@@ -143,8 +166,12 @@ class ZeRO3(nn.Module):
         declared = _declared(module, external_params, self._index_of)
         # Names and dtypes as saved (device-less): the plan is the checkpoint's plan too.
         specs = [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype)) for n, p in named]
-        self.bucket_plan: BucketPlan = zero3_plan(
-            specs, bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * MiB))
+        self.policy = policy
+        if policy == "memory":
+            self.bucket_plan: BucketPlan = zero3_group_plan(specs, _owners(module, self._index_of))
+        else:
+            self.bucket_plan = zero3_plan(
+                specs, bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * MiB))
         self.shards: FlatShardPlan = shard_flat(self.bucket_plan, self.world_size)
         slices, where = None, None
         if meta:
@@ -165,7 +192,8 @@ class ZeRO3(nn.Module):
                                   on_bucket_done=self._bucket_done, working=self._working, guard=self._guard)
         self._schedule = Schedule(module, self.bucket_plan, self._index_of, self._buckets, self._grads,
                                   prefetch=prefetch, reshard_after_forward=self.reshard_after_forward,
-                                  declared=declared, on_implicit_forward=self._begin_implicit_forward)
+                                  declared=declared, on_implicit_forward=self._begin_implicit_forward,
+                                  keep_for_backward=policy == "speed")
         self._sync_buffers()
 
     def _read(self, i: int):

@@ -49,14 +49,18 @@ class Schedule:
       buckets, grads: the parameter buckets and the gradient reducer.
       declared: ``{module: spec indices}`` each module needs besides its own parameters.
       on_implicit_forward: called before a forward that no ``ZeRO3.forward`` opened (the call check).
+      keep_for_backward: keep the forward's last bucket gathered for the backward, which starts
+        with it (speed), or free it with the others and gather it again (memory).
     """
 
     def __init__(self, module: nn.Module, plan: BucketPlan, index_of: dict[int, int], buckets: ParamBuckets,
                  grads: GradReducer, *, prefetch: int, reshard_after_forward: bool,
-                 declared: dict[nn.Module, tuple[int, ...]], on_implicit_forward: Callable[[], None]):
+                 declared: dict[nn.Module, tuple[int, ...]], on_implicit_forward: Callable[[], None],
+                 keep_for_backward: bool = True):
         self.plan, self.buckets, self.grads, self.root = plan, buckets, grads, module
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.on_implicit_forward = on_implicit_forward
+        self.keep_for_backward = keep_for_backward  # the forward's last bucket, which the backward starts with
         self.needs: dict[nn.Module, tuple[int, ...]] = {}
         self._specs_of: dict[nn.Module, tuple[int, ...]] = {}
         self._owned: dict[nn.Module, list[tuple[str, int]]] = {}  # (attribute, spec index)
@@ -122,7 +126,7 @@ class Schedule:
         if not self.pinned:
             grad = torch.is_grad_enabled()
             for b in range(self.plan.num_buckets):
-                if not grad or (b not in self._kept and self.reshard_after_forward and b != self.order[-1]):
+                if not grad or (b not in self._kept and self.reshard_after_forward and b != self._keep()):
                     self.buckets.free(b)
         return output
 
@@ -203,7 +207,7 @@ class Schedule:
             for b in needed:
                 self._done[b].add(module)
             if self.reshard_after_forward:
-                keep = self.order[-1] if torch.is_grad_enabled() else None  # the backward's first bucket
+                keep = self._keep() if torch.is_grad_enabled() else None
                 for b in needed:
                     if b != keep and b not in self._kept and self._users[b] <= self._done[b]:
                         self.buckets.free(b)
@@ -215,6 +219,10 @@ class Schedule:
         if self.session == "implicit" and module is self._implicit_owner and module not in self._running:
             return self.end_forward(output, learn=module is self.root)
         return None
+
+    def _keep(self) -> int | None:
+        """The bucket kept from the forward for the backward, which starts with it (or None)."""
+        return self.order[-1] if self.keep_for_backward else None
 
     def _buckets_of_storages(self) -> dict[int, int]:
         return {self.buckets.full[b].untyped_storage().data_ptr(): b

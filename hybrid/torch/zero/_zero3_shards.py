@@ -3,7 +3,7 @@
 As in torch's FSDP2, the module holds one parameter object per parameter while it is sharded (the
 user's own ``nn.Parameter``: the names, ``model.parameters()`` and optimizer parameter groups see
 it) and another, a view into the gathered bucket, while the module runs. The sharded one keeps
-its shape, dtype, device and ``requires_grad`` and holds one element of memory; anything that
+its shape, dtype, device and ``requires_grad`` and holds no memory of its own (a shared zero); anything that
 would read its values raises a ``RuntimeError`` naming the parameter and what to do instead, so
 no code reads stale or freed memory by mistake.
 
@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+
+from hybrid.torch.zero._zero2_grads import shared_zero
 
 _ADVICE = ("it is sharded by hybrid.torch.ZeRO3: each rank holds a flat slice, and the whole parameter exists "
            "only while a forward (model(x) or model.module(x)) or its backward runs. Read it inside "
@@ -57,7 +59,7 @@ class ParameterInShards(torch.nn.Parameter):
         """
         with torch.no_grad():
             device = param.device if device is None else device
-            value = torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)
+            value = shared_zero(param.dtype, device).expand(param.shape)
             if param.is_meta and value.device.type != "meta":  # .data cannot move a tensor off the meta device
                 torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
             else:
