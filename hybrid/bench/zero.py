@@ -29,6 +29,8 @@ DDP's own communication buckets (full size in every variant, as in torch) are li
 
 Then the stage-3 part (``hybrid.bench._zero3``): ZeRO-3 beside DDP, FSDP2, ZeRO-1 and ZeRO-2 on
 the MLP and on 100 small layers, at 2 and 3 ranks: allocator-counted memory and step times.
+``--part budget`` (``hybrid.bench._zero3_budget``): a model no rank can hold, built on the meta
+device under a per-rank budget, beside FSDP2's meta build, at 2, 3 and 4 ranks, and JAX's stage 3.
 """
 
 from __future__ import annotations
@@ -179,15 +181,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25)")
     parser.add_argument("--widths", type=str, default=None,
                         help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
-    parser.add_argument("--part", choices=("all", "1-2", "3"), default="all",
-                        help="the ZeRO-1/2 part, the stage-3 part, or both (default)")
-    parser.add_argument("--worlds", type=str, default="2,3", help="world sizes of the stage-3 part (default 2,3)")
+    parser.add_argument("--part", choices=("all", "1-2", "3", "budget"), default="all",
+                        help="the ZeRO-1/2 part, the stage-3 part, both (default), or the model no rank can hold "
+                             "(budget: from a meta-device build, beside FSDP2's, and the JAX side)")
+    parser.add_argument("--worlds", type=str, default=None,
+                        help="world sizes of the stage-3 part (default 2,3) or of the budget part (default 2,3,4)")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 25)
     if args.part in ("all", "1-2"):
         _zero12(args, reps)
     if args.part in ("all", "3"):
         _stage3(args, reps)
+    if args.part == "budget":
+        _budget(args, reps)
     return 0
 
 
@@ -200,7 +206,7 @@ def _port() -> int:
 def _stage3(args, reps: int) -> None:
     from hybrid.bench import _zero3
 
-    worlds = tuple(int(w) for w in args.worlds.split(","))
+    worlds = tuple(int(w) for w in (args.worlds or "2,3").split(","))
     models = _zero3.QUICK_MODELS if args.quick else _zero3.MODELS
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero3_")
     results = {}
@@ -216,6 +222,34 @@ def _stage3(args, reps: int) -> None:
     print(_zero3.memory_report(results))
     print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
     print(_zero3.step_report(results))
+
+
+def _budget(args, reps: int) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from hybrid.bench import _zero3_budget as budget
+
+    worlds = tuple(int(w) for w in (args.worlds or "2,3,4").split(","))
+    model = budget.QUICK_MODEL if args.quick else budget.MODEL
+    outdir = tempfile.mkdtemp(prefix="hybrid_bench_budget_")
+    results, jax_rows = {}, {}
+    for world in worlds:
+        mp.spawn(budget.worker, args=(world, _port(), outdir, model, 32, reps, 2), nprocs=world, join=True)
+        results[world] = [torch.load(os.path.join(outdir, f"budget-world{world}-rank{r}.pt")) for r in range(world)]
+        out = os.path.join(outdir, f"jax-{world}.json")
+        subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(world), str(model["width"]),
+                        str(model["depth"]), "32", out], check=True)
+        with open(out) as f:
+            jax_rows[world] = json.load(f)
+    print("\n# a model no rank can hold: built on the meta device, loaded, trained 3 steps under a per-rank budget "
+          "(hybrid ZeRO3 and torch FSDP2, gloo; JAX stage 3 on host devices)")
+    print(budget.report(results, model, jax_rows))
+    print("\njax_zero3: bytes per device of its slices of the parameters and Adam's state, born sharded "
+          "(init_shards), after 3 steps; '+ step temp': with what XLA's compiled step says it needs beside them. "
+          "The build column of '+ step temp' adds the compiled init's temporaries (XLA:CPU computes whole "
+          "buckets on every device, then keeps its slices).")
 
 
 def _zero12(args, reps: int) -> None:

@@ -53,10 +53,19 @@ def init_shards(init_fn, *args, mesh: Mesh, axis_name: str, bucket_cap_bytes: in
     >>> [s.data.shape for s in shards.buckets[0].addressable_shards]  # 5 elements, padded to 2 x 3
     [(3,), (3,)]
     """
-    abstract = jax.eval_shape(init_fn, *args, **kwargs)
-    layout, shard_layout, sharding = _layout(abstract, mesh, axis_name, "init_shards", order=order, pairing=pairing,
-                                             plan=plan, bucket_cap_bytes=bucket_cap_bytes,
-                                             first_bucket_cap_bytes=first_bucket_cap_bytes)
+    program, shard_layout = born_sharded(init_fn, *args, mesh=mesh, axis_name=axis_name, order=order,
+                                         pairing=pairing, plan=plan, bucket_cap_bytes=bucket_cap_bytes,
+                                         first_bucket_cap_bytes=first_bucket_cap_bytes, **kwargs)
+    return ParamShards(tuple(program(*args, **kwargs)), shard_layout)
+
+
+def born_sharded(init_fn, *args, mesh: Mesh, axis_name: str, **plan_and_kwargs):
+    """``(the jitted program of init_shards, its ShardLayout)``: the program's padded buckets come
+    out sharded; ``.lower(*args).compile().memory_analysis()`` says what it needs per device."""
+    plan = {k: plan_and_kwargs.pop(k) for k in ("order", "pairing", "plan", "bucket_cap_bytes",
+                                                "first_bucket_cap_bytes")}
+    abstract = jax.eval_shape(init_fn, *args, **plan_and_kwargs)
+    layout, shard_layout, sharding = _layout(abstract, mesh, axis_name, "init_shards", **plan)
     shards = shard_layout.shards
 
     def buckets(*args, **kwargs):
@@ -64,8 +73,7 @@ def init_shards(init_fn, *args, mesh: Mesh, axis_name: str, bucket_cap_bytes: in
         return tuple(pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=False)
                      for b in range(layout.plan.num_buckets))
 
-    out = jax.jit(buckets, out_shardings=(sharding,) * layout.plan.num_buckets)(*args, **kwargs)
-    return ParamShards(tuple(out), shard_layout)
+    return jax.jit(buckets, out_shardings=(sharding,) * layout.plan.num_buckets), shard_layout
 
 
 def abstract_shards(params, *, mesh: Mesh, axis_name: str, bucket_cap_bytes: int | None = None,
