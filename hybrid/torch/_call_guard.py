@@ -61,7 +61,8 @@ class CallMismatch(RuntimeError):
 
 
 class CallGuard:
-    """The check at the start of every collective call of one component instance (a ZeRO3 model).
+    """The check at the start of every collective call of one component instance (a ZeRO3 model);
+    ``device``: where the backend takes tensors (the CPU for gloo, the model's GPU for NCCL).
 
     >>> import torch.distributed as dist
     >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -71,8 +72,8 @@ class CallGuard:
     >>> dist.destroy_process_group()
     """
 
-    def __init__(self, group, component: str):
-        self.group, self.component = group, component
+    def __init__(self, group, component: str, device: torch.device | str = "cpu"):
+        self.group, self.component, self.device = group, component, torch.device(device)
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.instance = next(_instances)  # the same on every rank that builds its components in one order
         self.calls = 0
@@ -84,8 +85,8 @@ class CallGuard:
         self.calls += 1
         if self.world_size == 1:
             return
-        rows = torch.zeros(self.world_size, _FIELDS, dtype=torch.int64)
-        rows[self.rank] = torch.tensor([_MAGIC, _code(call), self.calls, self.instance])
+        rows = torch.zeros(self.world_size, _FIELDS, dtype=torch.int64, device=self.device)
+        rows[self.rank] = torch.tensor([_MAGIC, _code(call), self.calls, self.instance], device=self.device)
         with naming(f"{self.component} {call}: the check that every rank entered this call (a rank that never "
                     f"calls it leaves the others waiting here)"):
             dist.all_reduce(rows, group=self.group)

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import hybrid.torch.zero._parts
-import hybrid.torch.zero._zero3
-import hybrid.torch.zero._zero3_optim
-import hybrid.torch.zero._zero3_shards
+import hybrid.torch.zero.zero3._model
+import hybrid.torch.zero.zero3._optim
+import hybrid.torch.zero.zero3._shards
 from hybrid.torch import GradientInShards, ZeRO3, ZeRO3Optimizer
 from hybrid.torch import ParameterInShards
 from tests.torch_zero2.test_zero2_local import world_of_one  # noqa: F401 - a fixture: one gloo process
 
 
-@pytest.mark.parametrize("module", [hybrid.torch.zero._zero3, hybrid.torch.zero._zero3_optim,
-                                    hybrid.torch.zero._zero3_shards, hybrid.torch.zero._parts])
+@pytest.mark.parametrize("module", [hybrid.torch.zero.zero3._model, hybrid.torch.zero.zero3._optim,
+                                    hybrid.torch.zero.zero3._shards, hybrid.torch.zero._parts])
 def test_module_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

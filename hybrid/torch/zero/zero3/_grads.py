@@ -24,7 +24,7 @@ from hybrid.core import FlatShardPlan
 from hybrid.torch._call_guard import CallGuard
 from hybrid.torch._collectives import reduce_scatter_into, wait_all
 from hybrid.torch.zero._zero2_grads import GradientInShards
-from hybrid.torch.zero._zero3_params import WorkingSet
+from hybrid.torch.zero.zero3._params import WorkingSet
 
 
 class GradReducer:

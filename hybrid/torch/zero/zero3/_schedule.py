@@ -8,7 +8,7 @@ module's ``_parameters``; its forward hook puts the user's sharded stand-ins bac
 bucket once every module that needs it has run in this forward. The backward mirrors it: a hook on
 the module's outputs fires when their gradient arrives, just before the module's own backward,
 and gathers its buckets again (and prefetches the next ones in the reverse order); a bucket is
-freed once its gradients are all accumulated (``_zero3_grads``).
+freed once its gradients are all accumulated (``_grads``).
 
 A parameter read anywhere else while a forward runs (a parent's ``x @ self.emb.weight.T``, a
 sibling, a functional op) reaches its stand-in, which asks :meth:`Schedule.working` for the working
@@ -36,8 +36,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hybrid.core import BucketPlan, forward_order
-from hybrid.torch.zero._zero3_grads import GradReducer
-from hybrid.torch.zero._zero3_params import READY, ParamBuckets
+from hybrid.torch.zero.zero3._grads import GradReducer
+from hybrid.torch.zero.zero3._params import READY, ParamBuckets
 
 
 class Schedule:

@@ -2,8 +2,8 @@
 
 Each rank keeps only its flat slice of every bucket of the plan (:func:`hybrid.core.shard_flat`,
 the layout of ZeRO2's gradient slices and of checkpoint files); a bucket is gathered while its
-parameters are used and freed after (``_zero3_schedule``), gradients are reduced per bucket into
-this rank's slice (``_zero3_grads``), and :class:`~hybrid.torch.ZeRO3Optimizer` steps the slices.
+parameters are used and freed after (``_schedule``), gradients are reduced per bucket into
+this rank's slice (``_grads``), and :class:`~hybrid.torch.ZeRO3Optimizer` steps the slices.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from hybrid.core import (BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype,
                          zero3_plan)
 from hybrid.torch._call_guard import CallGuard
 from hybrid.torch.ddp._parts import _reduced_parameters
-from hybrid.torch.zero._zero3_grads import GradReducer
-from hybrid.torch.zero._zero3_init import is_meta_module, materialise
-from hybrid.torch.zero._zero3_params import ParamBuckets, WorkingSet
-from hybrid.torch.zero._zero3_schedule import Schedule
-from hybrid.torch.zero._zero3_shards import ParameterInShards
-from hybrid.torch.zero._zero3_state import declared_external as _declared
-from hybrid.torch.zero._zero3_state import full_state_dict, load_state_dict
+from hybrid.torch.zero.zero3._grads import GradReducer
+from hybrid.torch.zero.zero3._init import is_meta_module, materialise
+from hybrid.torch.zero.zero3._params import ParamBuckets, WorkingSet
+from hybrid.torch.zero.zero3._schedule import Schedule
+from hybrid.torch.zero.zero3._shards import ParameterInShards
+from hybrid.torch.zero.zero3._state import declared_external as _declared
+from hybrid.torch.zero.zero3._state import full_state_dict, load_state_dict
 
 __all__ = ["ZeRO3"]
 
@@ -96,7 +96,7 @@ class ZeRO3(nn.Module):
         called on every module holding tensors, in ``module.modules()`` order, one module
         materialised at a time (default: the module's ``reset_parameters()``). Each rank keeps
         only its slices; the values are bit for bit those of the same calls on a CPU build under
-        rank 0's RNG state. See ``hybrid.torch.zero._zero3_init``.
+        rank 0's RNG state. See ``hybrid.torch.zero.zero3._init``.
       device: where a meta-built model's slices, buffers and gathered buckets live (default CPU).
       policy: ``"speed"`` (the default): the plan above, fewer and larger buckets, the forward's
         last bucket kept for the backward. ``"memory"``: a bucket per module (its own
@@ -147,7 +147,9 @@ class ZeRO3(nn.Module):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self._guard = CallGuard(process_group, "ZeRO3")
+        first = next(iter(module.parameters()), None)
+        where = torch.device("cpu" if meta or first is None else first.device) if device is None else torch.device(device)
+        self._guard = CallGuard(process_group, "ZeRO3", where)
         self._guard.enter("construction")
         self.prefetch, self.reshard_after_forward = prefetch, bool(reshard_after_forward)
         self._mp = mp_policy
@@ -173,9 +175,8 @@ class ZeRO3(nn.Module):
             self.bucket_plan = zero3_plan(
                 specs, bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * MiB))
         self.shards: FlatShardPlan = shard_flat(self.bucket_plan, self.world_size)
-        slices, where = None, None
+        slices = None
         if meta:
-            where = torch.device("cpu" if device is None else device)
             slices = materialise(module, self._params, self.shards, self.rank, init_fn=init_fn, device=where,
                                  group=process_group)
         # gloo's reduce-scatter and all-gather are slower than its all-reduce and broadcasts (see ZeRO2).
@@ -183,10 +184,10 @@ class ZeRO3(nn.Module):
         self._working = WorkingSet()
         self._buckets = ParamBuckets(self._params, self.shards, self.rank, group=process_group,
                                      compute_dtype=param_dtype, flat_collectives=flat, working=self._working,
-                                     slices=slices, device=where)
+                                     slices=slices, device=where if meta else None)
         for i, (p, name) in enumerate(zip(self._params, self._names)):
             # Its values now live in the slices; a read while a forward runs computes with them.
-            ParameterInShards.convert(p, name, functools.partial(self._read, i), device=where)
+            ParameterInShards.convert(p, name, functools.partial(self._read, i), device=where if meta else None)
         self._grads = GradReducer(self._buckets.work, self._names, self._params, self.shards, self.rank,
                                   group=process_group, reduce_dtype=reduce_dtype, flat_collectives=flat,
                                   on_bucket_done=self._bucket_done, working=self._working, guard=self._guard)

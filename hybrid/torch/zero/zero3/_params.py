@@ -6,8 +6,8 @@ slices and of checkpoint files. Every parameter's ``.data`` is a view into its b
 buffer, set once. Freeing a bucket resizes that buffer's storage to zero bytes and gathering
 resizes it back, so the views, and the tensors autograd saved of them in the forward, stay valid
 across a free and a gather (torch's FSDP frees its unsharded parameters the same way). These
-*working* parameters are what the module computes with while it runs (``_zero3_schedule`` swaps
-them in); the user's parameter objects stand for the sharded state (``_zero3_shards``).
+*working* parameters are what the module computes with while it runs (``_schedule`` swaps
+them in); the user's parameter objects stand for the sharded state (``_shards``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from hybrid.torch.zero._parts import grads_on_masters, resolve_groups, run_closure
 from hybrid.torch.zero._zero2_grads import clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState
-from hybrid.torch.zero._zero3 import ZeRO3
+from hybrid.torch.zero.zero3._model import ZeRO3
 
 __all__ = ["ZeRO3Optimizer"]
 
