@@ -5,8 +5,9 @@ same (its meta build, ``fully_shard`` per layer, ``to_empty`` and each layer's
 
 The model: ``depth`` layers of ``Linear(width, width)`` + tanh, float32, Adam: its parameters,
 gradients and Adam's two moments take ``16 P`` bytes. At ``N`` ranks a ZeRO-3 rank holds
-``16 P / N`` of them during a step, so the budget is set to ``1.2 x 16 P / N`` (rounded up to a
-MiB): the model's training state is ``N / 1.2`` budgets (1.7 at 2 ranks, 2.5 at 3, 3.3 at 4). No
+``16 P / N`` of them during a step, and gathers a few layers at a time, so the budget is set to
+``16 P / N + 16 P / depth`` (a rank's share, and four layers' parameters; rounded up to a MiB):
+with 12 layers the model's training state is 1.7 budgets at 2 ranks, 2.4 at 3 and 3.0 at 4. No
 sharding that keeps everything on the rank (no offload) fits 3 budgets at 2 or 3 ranks: the
 sharded state alone is ``16 P / N``.
 
@@ -42,7 +43,6 @@ REFERENCE = "fsdp2"
 ROUND = (*VARIANTS, REFERENCE + "'")
 MODEL = {"width": 1024, "depth": 12}
 QUICK_MODEL = {"width": 256, "depth": 8}
-HEADROOM = 1.2
 
 
 def num_params(width: int, depth: int) -> int:
@@ -50,8 +50,9 @@ def num_params(width: int, depth: int) -> int:
 
 
 def budget_bytes(width: int, depth: int, world: int) -> int:
-    """The per-rank budget: ``HEADROOM`` times a ZeRO-3 rank's share of the training state."""
-    return math.ceil(HEADROOM * 16 * num_params(width, depth) / world / 2**20) * 2**20
+    """The per-rank budget: a ZeRO-3 rank's share of the training state, and four layers' parameters."""
+    state = 16 * num_params(width, depth)
+    return math.ceil((state / world + state / depth) / 2**20) * 2**20
 
 
 def _mlp(width: int, depth: int) -> nn.Module:

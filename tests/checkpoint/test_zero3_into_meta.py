@@ -11,8 +11,8 @@ Two sources, each loaded by a 2-rank meta-built ``ZeRO3(TorchGPT)`` + ``ZeRO3Opt
 
 Memory per rank while loading: torch tensors counted by the allocator (``hybrid.bench._live``;
 Adam's two moments of this rank's slices are new), numpy arrays by tracemalloc (the elements read:
-this rank's slices of the parameters and of two moments, which stay as its state, and the 1 MiB
-chunks their checksums cover), below the whole parameters and moments.
+this rank's slices of the parameters and of two moments, and the 1 MiB chunks their checksums
+cover, all dropped once copied), below the whole parameters and moments.
 """
 
 import tracemalloc
