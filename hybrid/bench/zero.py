@@ -226,6 +226,7 @@ def _stage3(args, reps: int) -> None:
 
 def _budget(args, reps: int) -> None:
     import json
+    import shutil
     import subprocess
     import sys
 
@@ -243,6 +244,8 @@ def _budget(args, reps: int) -> None:
                         str(model["depth"]), "32", out], check=True)
         with open(out) as f:
             jax_rows[world] = json.load(f)
+        for name in budget.VARIANTS:  # the checkpoints its loads read: the model's state, every world size
+            shutil.rmtree(os.path.join(outdir, f"ckpt-{world}-{name}"), ignore_errors=True)
     print("\n# a model no rank can hold: built on the meta device, loaded, trained 3 steps under a per-rank budget "
           "(hybrid ZeRO3 and torch FSDP2, gloo; JAX stage 3 on host devices)")
     print(budget.report(results, model, jax_rows))

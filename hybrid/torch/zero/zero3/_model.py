@@ -63,7 +63,8 @@ class ZeRO3(nn.Module):
     needing them has run; the backward gathers them again in reverse order (or finds them kept:
     ``reshard_after_forward=False``), reduces each bucket's gradients once they are all ready,
     keeps this rank's slice and frees the rest. Construction takes rank 0's parameter and buffer
-    values, as DDP does.
+    values, as DDP does; a module built on the meta device is initialised instead, one module at a
+    time, each rank keeping its slices only (``init_fn``).
 
     Between uses the model's parameters are :class:`ParameterInShards` stand-ins (right shape,
     dtype and device; reading their values outside a forward raises, naming the parameter): read
