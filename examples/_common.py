@@ -1,6 +1,7 @@
 """What both example scripts share: the command line of a run and how rank 0 reports it."""
 
 import argparse
+import os
 
 import numpy as np
 
@@ -26,24 +27,45 @@ def parse(description: str, extra=None) -> tuple[TrainConfig, argparse.Namespace
                    "end); training goes on")
     p.add_argument("--resume", metavar="PATH", help="resume from this checkpoint (saved by either example, at any "
                    "number of ranks) at its step")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save into DIR/step-NNNNNN every --save-every steps, and "
+                   "resume from the newest checkpoint there: launched again after a crash, the run goes on")
+    p.add_argument("--save-every", type=int, metavar="N", help="with --checkpoint-dir: steps between saves")
+    p.add_argument("--fail-at", type=int, metavar="STEP", help="crash (exit 3, no cleanup) once STEP steps are done, "
+                   "as a killed job would: to try the recovery")
     if extra is not None:
         extra(p)
     a = p.parse_args()
     if a.save_at is not None and (a.save is None or not 0 <= a.save_at <= a.steps):
         p.error(f"--save-at {a.save_at} needs --save PATH and a step in [0, --steps {a.steps}]")
+    if (a.save_every is None) != (a.checkpoint_dir is None) or (a.save_every is not None and a.save_every < 1):
+        p.error("--checkpoint-dir and --save-every go together (a positive number of steps)")
     config = TrainConfig(num_steps=a.steps, stage=a.stage, optimizer=a.optimizer, lr=a.lr,
                          weight_decay=a.weight_decay, clip_norm=a.clip_norm, global_batch_size=a.batch_size,
                          seed=a.seed)
     return config, a
 
 
-def checkpoint_args(args: argparse.Namespace) -> dict:
-    """``--save``, ``--save-at`` and ``--resume`` as the keyword arguments of train_torch / train_jax."""
-    return dict(save_to=args.save, save_at=args.save_at, resume=args.resume)
+def checkpoint_args(args: argparse.Namespace, *, say: bool) -> dict:
+    """``--save``, ``--save-at``, ``--resume``, ``--checkpoint-dir`` and ``--save-every`` as the keyword
+    arguments of train_torch / train_jax; the checkpoint a relaunch resumes from is said (``say``)."""
+    from hybrid.checkpoint import Checkpoint
+    from hybrid.demo._checkpointing import Checkpointing
+
+    resume = Checkpointing(args.resume, checkpoint_dir=args.checkpoint_dir).resume_path()
+    if say and resume is not None:
+        print(f"resuming from {resume} (step {Checkpoint(resume).manifest.step})", flush=True)
+    return dict(save_to=args.save, save_at=args.save_at, resume=resume, checkpoint_dir=args.checkpoint_dir,
+                save_every=args.save_every)
 
 
-def print_step(step: int, loss: float) -> None:
-    print(f"step {step} loss {loss:.6f}", flush=True)
+def progress_of(args: argparse.Namespace):
+    """Each step's global loss, printed; at ``--fail-at`` the process dies as a killed one does."""
+    def progress(step: int, loss: float) -> None:
+        print(f"step {step} loss {loss:.6f}", flush=True)
+        if args.fail_at is not None and step + 1 == args.fail_at:
+            print(f"crashing after step {step} (--fail-at {args.fail_at})", flush=True)
+            os._exit(3)
+    return progress
 
 
 def report(result, args, world_size: int) -> None:

@@ -8,7 +8,8 @@ variables COORDINATOR_ADDRESS, NUM_PROCESSES and PROCESS_ID. The mesh spans all 
 devices (``--cpu-devices`` host devices each on CPU); device r trains on rows [r*B/W, (r+1)*B/W)
 of every global batch, and process 0 prints each step's global loss. ``--save PATH --save-at K``
 saves a checkpoint after step K (every process writes the files of its devices; PATH on a file
-system all share), ``--resume PATH`` continues from one, at any number of processes.
+system all share), ``--resume PATH`` continues from one, at any number of processes;
+``--checkpoint-dir DIR --save-every N`` saves every N steps and a relaunch resumes from the newest.
 """
 
 import os
@@ -22,7 +23,7 @@ def _cluster(p) -> None:
 
 
 def main() -> None:
-    from _common import checkpoint_args, parse, print_step, report
+    from _common import checkpoint_args, parse, progress_of, report
 
     config, args = parse(__doc__.splitlines()[0], _cluster)
     # Before jax starts: the number of host devices per process.
@@ -39,7 +40,8 @@ def main() -> None:
                                process_id=args.process_id, initialization_timeout=120)
     mesh = Mesh(np.array(jax.devices()), ("dp",))  # global device order: process 0's devices first
     first = jax.process_index() == 0
-    result = train_jax(config, mesh=mesh, progress=print_step if first else None, **checkpoint_args(args))
+    result = train_jax(config, mesh=mesh, progress=progress_of(args) if first else None,
+                       **checkpoint_args(args, say=first))
     if first:
         report(result, args, mesh.size)
     jax.distributed.shutdown()

@@ -8,11 +8,17 @@ environment (``env://`` rendezvous); on several machines run it on each with ``-
 every global batch; rank 0 prints each step's global loss. ``--save PATH --save-at K`` saves a
 checkpoint after step K (every rank writes its file), ``--resume PATH`` continues from one (saved
 by either script, at any number of ranks).
+
+Recovering from a crash: ``--checkpoint-dir DIR --save-every N`` saves every N steps and, when the
+same command is launched again, resumes from the newest checkpoint in DIR. Relaunch the whole
+torchrun command (a scheduler's retry, or ``until torchrun ...; do sleep 5; done``): torchrun's own
+``--max-restarts`` restarts the workers into a gloo rendezvous they cannot connect (torch 2.13,
+``Gloo connectFullMesh failed``). ``--fail-at K`` crashes rank 0 after step K, to try it.
 """
 
 import torch.distributed as dist
 
-from _common import checkpoint_args, parse, print_step, report
+from _common import checkpoint_args, parse, progress_of, report
 from hybrid.demo import pin_torch_numerics, train_torch
 
 
@@ -21,7 +27,7 @@ def main() -> None:
     pin_torch_numerics()
     dist.init_process_group("gloo")  # env:// from torchrun; the twin model lives on the CPU
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    result = train_torch(config, progress=print_step, **checkpoint_args(args))  # progress: rank 0 only
+    result = train_torch(config, progress=progress_of(args), **checkpoint_args(args, say=rank == 0))  # progress: rank 0
     if rank == 0:
         report(result, args, world_size)
     dist.destroy_process_group()

@@ -104,6 +104,33 @@ def default_out(model: str) -> Path:
     return base / "hybrid" / "demo" / model
 
 
+LOCK_NAME = ".demo.lock"
+
+
+def hold_output(out: Path):
+    """An exclusive lock on the output folder for this run (an open file; the OS releases it when
+    the process ends, however it ends): two demos at once would overwrite each other's checkpoint
+    and plot. A second one is refused, naming the first and the way out (``--out``)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock, as before
+        return None
+    f = open(out / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that did not say which"
+        f.close()
+        raise RuntimeError(f"another python -m hybrid demo is writing to {out} ({holder}); wait for it to end, or "
+                           f"give this one a folder of its own with --out DIR") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
 def _host_devices(n: int) -> None:
     # JAX fixes its CPU device count when it starts: ask for enough before anything imports it.
     if "jax" not in sys.modules:
@@ -113,7 +140,35 @@ def _host_devices(n: int) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+class PlainProgress:
+    """What a progress bar says, as whole lines for a log: about every tenth step and the last,
+    with the loss and the seconds so far (tqdm's carriage-return frames would pile up in a file).
+    The slice of tqdm's interface the demo uses: ``update``, ``set_postfix``, ``with``."""
+
+    def __init__(self, desc: str, total: int, stream=None):
+        self.desc, self.total, self.stream = desc, total, stream or sys.stderr
+        self.done, self.postfix, self._every, self._t0 = 0, "", max(1, total // 10), time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{k} {v}" for k, v in values.items())
+        if self.done == self.total or self.done % self._every == 0:
+            print(f"{self.desc}: step {self.done}/{self.total}, {self.postfix}, "
+                  f"{time.perf_counter() - self._t0:.1f} s", file=self.stream, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def _bar(desc: str, total: int):
+    """tqdm's bar on a terminal; plain lines where stderr is a file or a pipe (a log, CI)."""
+    if not sys.stderr.isatty():
+        return PlainProgress(desc, total)
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
 
@@ -160,6 +215,7 @@ def _demo(args, t0: float) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    lock = hold_output(out)  # noqa: F841 - held until the process ends
     checkpoint = out / "checkpoint"
     config = TrainConfig(seed=args.seed, global_batch_size=args.batch_size, num_steps=args.steps,
                          optimizer=args.optimizer, lr=args.lr, stage=args.stage,

@@ -17,8 +17,9 @@ from pathlib import Path
 from hybrid import _plan_pair, _project_cli
 from hybrid._examples import EXAMPLES
 from hybrid._table import format_table, human_bytes
-from hybrid.core import (MiB, OPTIMIZER_STATE_COPIES, STAGES, TensorSpec, forward_order, itemsize, partition_params,
-                         plan_buckets, shard_flat, step_cost, zero3_memory, zero_memory)
+from hybrid.core import (DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, MiB, OPTIMIZER_STATE_COPIES, STAGES,
+                         TensorSpec, forward_order, itemsize, partition_params, plan_buckets, shard_flat, step_cost,
+                         zero3_memory, zero3_plan, zero_memory)
 from hybrid.core._spec import check_specs, specs_from_json
 
 
@@ -63,8 +64,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     source.add_argument("--specs", metavar="FILE", type=Path,
                         help='JSON list of specs: [{"name": .., "shape": [..], "dtype": "float32"}, ..]')
     _plan_pair.add_arguments(p, source)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap in MiB (torch's bucket_cap_mb)")
-    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="cap of the first bucket in MiB")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket cap in MiB, as torch's bucket_cap_mb: left out, 25 with a 1 MiB first bucket; "
+                        "given, it caps the first bucket too (torch's rule)")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=None,
+                   help="cap of the first bucket in MiB (default: torch's, 1 MiB, or --bucket-cap-mb when given)")
     p.add_argument("--world-size", type=int, default=4, help="number of data-parallel ranks for the ZeRO view")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_COPIES), default="adam")
     p.add_argument("--prefetch", type=int, default=1,
@@ -193,6 +197,18 @@ def compile_report(args, specs, size_limits) -> dict:
             "buckets": [[specs[m].name for m in b.members] for b in buckets.buckets]}
 
 
+def resolve_caps(args) -> None:
+    """The caps as torch's DDP takes ``bucket_cap_mb``: left out, 25 MiB with a 1 MiB first bucket;
+    given, the first bucket gets it too (torch's ``_BucketCapacityConfig.create``). What was given
+    stays in ``bucket_cap_mb_given`` (None: the default), for running torch's DDP as built at these flags."""
+    args.bucket_cap_mb_given = args.bucket_cap_mb
+    if args.bucket_cap_mb is None:
+        args.bucket_cap_mb = DEFAULT_BUCKET_CAP_BYTES / MiB
+    if args.first_bucket_cap_mb is None:
+        given = args.bucket_cap_mb_given
+        args.first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_CAP_BYTES / MiB if given is None else given
+
+
 def check_caps(args) -> None:
     for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
         if getattr(args, name) < 0:
@@ -261,6 +277,7 @@ def zero3_report(plan, shards, k: int, prefetch: int) -> dict:
 
     volume = {stage if stage == "ddp" else f"zero{stage}": sent(stage) for stage in STAGES}
     return {"prefetch": prefetch, "forward_order": list(forward_order(plan)),
+            "zero3_fingerprint": zero3_plan(plan.specs).fingerprint(),
             "zero3_bytes_per_rank": memory(True), "zero3_kept_bytes_per_rank": memory(False),
             "sent_bytes_per_rank_per_step": {**volume, "zero3_kept": sent(3, reshard=False)}}
 
@@ -283,7 +300,8 @@ def print_report(report: dict) -> None:
                          human_bytes(r["zero2_total_bytes"])] for r in report["ranks"]]))
     z3, kept = report["zero3_bytes_per_rank"], report["zero3_kept_bytes_per_rank"]
     print(f"\nZeRO-3 per rank (every rank alike), prefetch {report['prefetch']}; forward order of the buckets: "
-          f"{_order_text(report['forward_order'])}:")
+          f"{_order_text(report['forward_order'])}; of the plan above (ZeRO3's own plan at its default cap, what "
+          f"parity --stage 3 reports: plan {report['zero3_fingerprint']}):")
     print(format_table(["ZeRO-3", "param slices", "grad slices", "state", "gathered", "total"],
                        [[name, *(human_bytes(m[key]) for key in ("param_bytes", "grad_bytes", "state_bytes",
                                                                   "gathered_bytes", "total_bytes"))]
@@ -329,6 +347,7 @@ def print_compile(view: dict) -> None:
 
 def run(args) -> int:
     _plan_pair.check_arguments(args)
+    resolve_caps(args)
     if args.jax is not None:
         check_caps(args)  # before the JAX half is traced
         label, plan, pairing = _plan_pair.pair_plan(args)

@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile", "checkpoint")
+BENCHMARKS = ("ddp", "zero", "jax", "pack", "compile", "checkpoint", "summary")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,11 @@ def rotated(order: Sequence, rep: int) -> list:
 
     >>> [rotated("ABC", rep) for rep in range(3)]
     [['A', 'B', 'C'], ['B', 'C', 'A'], ['C', 'A', 'B']]
+    >>> rotated([], 1)  # nothing left to time (every pair failed): an empty round
+    []
     """
+    if not order:
+        return []
     k = rep % len(order)
     return [*order[k:], *order[:k]]
 

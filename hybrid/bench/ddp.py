@@ -16,6 +16,10 @@ A/A row: the same path against itself, what noise alone does to a ratio. Medians
 repetitions (after warm-up, which includes hybrid's bucket rebuild) are printed, then the ratios
 hybrid/torch, auto/hybrid, auto/torch and per_tensor/hybrid with the A/A row and a legend
 (``hybrid.bench._stats``); under the medians, the auto plan and what its model predicted.
+
+With ``--device cuda`` (or ``cpu``) it times GPT training steps instead (GPT-2 small by default,
+float32 and bf16): hybrid's DDP against torch's, NCCL ranks one per GPU, peak memory beside the
+times (``hybrid.bench.gpt``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table
+from hybrid.bench import gpt
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 
@@ -119,9 +124,14 @@ def _auto_summary(ddp) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench ddp", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models, 3 repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15)")
+    parser.add_argument("--quick", action="store_true", help="tiny models, 3 repetitions (--device: its model, 5 rounds after 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15; --device: 20)")
+    gpt.add_arguments(parser)
     args = parser.parse_args(argv)
+    bench = gpt.config_from_args(parser, args)
+    if bench is not None:
+        from hybrid.bench.gpt._torch import DDP_PAIRS
+        return gpt.torch_main(parser, bench, "ddp", DDP_PAIRS)
     reps = args.reps or (3 if args.quick else 15)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,6 +18,10 @@ the end the ratio table of both (``hybrid.bench._stats``):
 The optimized HLO of the SGD steps is summarised too (collectives after XLA's all-reduce
 combiner, concatenates, in-place updates): on host devices the per-leaf psums are merged into one
 all-reduce of the leaves in place, so bucketing's one extra cost there is filling the buckets.
+
+With ``--device cuda`` (or ``cpu``) it times GPT training steps instead (GPT-2 small by default,
+float32 and bf16, AdamW): ``zero`` stages 1-3 against unsharded optax on every GPU (or host
+device), the bucket copies through the CUDA kernels where they are built (``hybrid.bench.gpt``).
 """
 
 from __future__ import annotations
@@ -25,15 +29,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
-import time
 
-from hybrid.bench._stats import Ratio, ratio_table, rotated
-
-if "jax" not in sys.modules:  # host devices must be configured before jax is first imported
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from hybrid.bench import _jax_steps, gpt
+from hybrid.bench._jax_steps import bytes_per_device, pmean_tree, print_times, run_interleaved
+from hybrid.bench._stats import Ratio, ratio_table
 
 
 def _model(width: int, depth: int, seed: int = 0):
@@ -50,12 +50,6 @@ def _loss(params, x):
     for layer in params["layers"]:
         h = jnp.tanh(h @ layer["weight"] + layer["bias"])
     return jnp.mean(h * h)
-
-
-def _bytes_per_device(state, device) -> int:
-    import jax
-    return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state) for s in x.addressable_shards
-               if s.device == device)
 
 
 def _entry_ops(text: str) -> list[tuple[str, str]]:
@@ -81,101 +75,16 @@ def _hlo_summary(text: str) -> str:
             f"{count('fusion')} fusions")
 
 
-def _run_interleaved(steps: dict, states: dict, x, reps: int, num_steps: int, order) -> tuple[dict, dict]:
-    """Wall-clock and process CPU seconds per step of every name in ``order``, one entry per repetition.
-
-    ``order`` is the round: variant names, a name with a ``'`` being its variant again (the A/A
-    reference, on the same compiled step and state). CPU time (all threads of this process) is
-    printed beside wall time because on a shared machine other jobs' load stretches wall time, by
-    a different amount in every repetition.
-    """
-    import jax
-    wall = {name: [] for name in order}
-    cpu = {name: [] for name in order}
-    for rep in range(reps):
-        for name in rotated(order, rep):  # interleaved: every repetition times every variant once
-            key = name.rstrip("'")
-            p, s = states[key]
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(num_steps):
-                p, s = steps[key](p, s, x)
-            jax.block_until_ready((p, s))
-            wall[name].append((time.perf_counter() - t0) / num_steps)
-            cpu[name].append((time.process_time() - c0) / num_steps)
-            states[key] = (p, s)
-    return wall, cpu
-
-
-def _print_times(wall: dict, cpu: dict) -> tuple[dict, dict]:
-    med = {name: statistics.median(t) for name, t in wall.items()}
-    cpu_med = {name: statistics.median(t) for name, t in cpu.items()}
-    for name in wall:
-        print(f"  {name:22s} {med[name] * 1e3:9.2f} ms/step  (min {min(wall[name]) * 1e3:.2f}, "
-              f"max {max(wall[name]) * 1e3:.2f}); CPU {cpu_med[name] * 1e3:.2f} ms/step")
-    return med, cpu_med
-
-
-def _compile(variants: dict, params, x, mesh):
-    """One compiled shard_map train step and an initial (params, state) per variant."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    import hybrid.jax as hj
-    steps, states = {}, {}
-    for name, (tx, reduce) in variants.items():
-        specs = hj.state_specs(tx, params, "dp", axis_size=mesh.size)
-
-        def step(params, state, x, tx=tx, reduce=reduce):
-            g = hj.local_grad(_loss, "dp")(params, x)
-            u, state = tx.update(g, state, params)
-            return optax.apply_updates(params, u), state
-
-        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-        # Without a reduction (the compute floor) the parameters differ per device: check_vma off
-        # lets out_specs P() keep one device's copy, which is all a timing needs.
-        # Params and state donated, as a training loop does: every variant updates in place.
-        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("dp")), out_specs=(P(), specs),
-                                   check_vma=reduce), donate_argnums=(0, 1))
-        own = jax.tree_util.tree_map(jnp.copy, params)  # each variant donates its own copy
-        state = init(own)
-        steps[name] = fn.lower(own, state, x).compile()
-        states[name] = jax.block_until_ready(steps[name](own, state, x))  # warm up
-    return steps, states
-
-
-def _compile_zero3(tx, params, x, mesh):
-    """Stage 3's compiled step (``jax.grad`` of the gathered loss on ParamShards) and its first
-    (shards, state), as :func:`_compile` makes them for the other variants."""
-    import jax
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    import hybrid.jax as hj
-    shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, "dp"), mesh=mesh, in_specs=P(),
-                                   out_specs=P("dp")))(params)
-    specs = hj.state_specs(tx, shards, "dp", axis_size=mesh.size)
-    loss_of_shards = hj.gathered(_loss)
-
-    def step(shards, state, x):
-        u, state = tx.update(jax.grad(loss_of_shards)(shards, x), state, shards)
-        return optax.apply_updates(shards, u), state
-
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))(shards)
-    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp")), out_specs=(P("dp"), specs)),
-                 donate_argnums=(0, 1))
-    compiled = fn.lower(shards, state, x).compile()
-    return compiled, jax.block_until_ready(compiled(shards, state, x))
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench jax")
-    parser.add_argument("--quick", action="store_true", help="tiny models and few repetitions")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models and few repetitions (--device: its model, 5 rounds after 2)")
     parser.add_argument("--width", type=int, default=1024, help="SGD model: layer width")
     parser.add_argument("--depth", type=int, default=10, help="SGD model: layers")
-    parser.add_argument("--batch", type=int, default=1024, help="SGD model: global batch (split over devices)")
-    parser.add_argument("--reps", type=int, default=15, help="SGD measurement: interleaved repetitions")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="SGD model: global batch, split over devices (default 1024); --device: sequences per device (default 8)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="SGD measurement: interleaved repetitions (default 15); --device: rounds (default 20)")
     parser.add_argument("--steps", type=int, default=1, help="SGD measurement: steps timed per repetition")
     parser.add_argument("--breakdown", action="store_true", help="also time steps without reduction, with and without packing")
     parser.add_argument("--zero-width", type=int, default=512)
@@ -184,7 +93,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--zero-reps", type=int, default=7)
     parser.add_argument("--zero-steps", type=int, default=3)
     parser.add_argument("--skip-zero", action="store_true", help="only the SGD measurement")
+    gpt.add_arguments(parser, batch=False)
+    parser.add_argument("--copy-backend", choices=("auto", "cuda", "reference"), default=None,
+                        help="with --device: zero's bucket copies (default: $HYBRID_KERNELS, else auto)")
     args = parser.parse_args(argv)
+    bench = gpt.config_from_args(parser, args)
+    if bench is None and args.copy_backend is not None:
+        parser.error("--copy-backend only with --device, for the GPT training-step bench")
+    if "jax" not in sys.modules and (bench is None or bench.device == "cpu"):
+        # host devices are configured before jax is first imported
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if bench is not None:
+        return gpt.jax_main(parser, bench, args.copy_backend)
+    args.batch = 1024 if args.batch is None else args.batch
+    args.reps = 15 if args.reps is None else args.reps
     if args.quick:
         args.width, args.depth, args.batch, args.reps, args.steps = 256, 4, 64, 3, 2
         args.zero_width, args.zero_depth, args.zero_reps, args.zero_steps = 128, 4, 3, 2
@@ -204,12 +127,6 @@ def main(argv: list[str]) -> int:
               f"XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax is imported", file=sys.stderr)
         return 1
     mesh = Mesh(np.array(devices[:4]), ("dp",))
-
-    def pmean_tree(axis):  # the baseline DDP-style reduction: one pmean per leaf
-        def update(u, s, p=None):
-            del p
-            return jax.lax.pmean(u, axis), s
-        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
     def pack_only():  # bucketed_all_reduce without its collective: what packing alone costs
         from hybrid.core import pack, unpack
@@ -242,15 +159,15 @@ def main(argv: list[str]) -> int:
     if args.breakdown:
         variants["local_sgd"] = (optax.sgd(1e-3), False)
         variants["pack_only_sgd"] = (optax.chain(pack_only(), optax.sgd(1e-3)), False)
-    steps, states = _compile(variants, params, x, mesh)
+    steps, states = _jax_steps.compile_steps(variants, params, x, mesh, _loss)
     # psum_sgd again right after bucketed_sgd, as bucketed_sgd is after psum_sgd: the A/A row.
     order = ["psum_sgd", "bucketed_sgd", "psum_sgd'", *list(variants)[2:]]
-    times, cpu = _run_interleaved(steps, states, x, args.reps, args.steps, order)
+    times, cpu = run_interleaved(steps, states, x, args.reps, args.steps, order)
     print(f"bench jax: 4 host devices ({devices[0].platform}), {os.cpu_count()} CPU cores")
     print(f"[1] data-parallel SGD step: MLP {args.depth} x {args.width}^2, {num_params} float32 params "
           f"in {plan.num_buckets} buckets (25 MiB / 1 MiB caps), global batch {args.batch}, "
           f"{args.reps} reps x {args.steps} steps interleaved, medians; target bucketed_sgd/psum_sgd <= 1.05")
-    med, cpu_med = _print_times(times, cpu)
+    med, cpu_med = print_times(times, cpu)
     for name in ("bucketed_sgd", "bucketed_per_step_sgd"):
         print(f"  {name}/psum_sgd: of minima {min(times[name]) / min(times['psum_sgd']):.3f}, "
               f"of CPU time {cpu_med[name] / cpu_med['psum_sgd']:.3f} (wall time: the ratio table below)")
@@ -275,25 +192,25 @@ def main(argv: list[str]) -> int:
     variants = {"unsharded_adam": (optax.chain(pmean_tree("dp"), adam()), True),
                 "zero1_adam": (hj.zero(adam(), "dp", stage=1), True),
                 "zero2_adam": (hj.zero(adam(), "dp", stage=2), True)}
-    steps, states = _compile(variants, params, x, mesh)
-    steps["zero3_adam"], states["zero3_adam"] = _compile_zero3(hj.zero(adam(), "dp", stage=3), params, x, mesh)
+    steps, states = _jax_steps.compile_steps(variants, params, x, mesh, _loss)
+    steps["zero3_adam"], states["zero3_adam"] = _jax_steps.compile_zero3(hj.zero(adam(), "dp", stage=3), params, x, mesh, _loss)
     order = ["unsharded_adam", "zero1_adam", "unsharded_adam'", "zero2_adam", "zero3_adam"]
-    times, cpu = _run_interleaved(steps, states, x, args.zero_reps, args.zero_steps, order)
+    times, cpu = run_interleaved(steps, states, x, args.zero_reps, args.zero_steps, order)
     print(f"[2] ZeRO: MLP {args.zero_depth} x {args.zero_width}^2, {num_params} float32 params, global batch "
           f"{args.zero_batch}, {args.zero_reps} reps x {args.zero_steps} steps interleaved, medians")
-    _print_times(times, cpu)
+    print_times(times, cpu)
     groups["[2] zero"] = ([Ratio(f"zero{stage}_adam", "unsharded_adam", times[f"zero{stage}_adam"],
                                  times["unsharded_adam"]) for stage in (1, 2, 3)]
                           + [Ratio("zero3_adam", "zero2_adam", times["zero3_adam"], times["zero2_adam"])],
                           Ratio("unsharded_adam'", "unsharded_adam", times["unsharded_adam'"], times["unsharded_adam"]))
     dev = devices[0]
-    full = _bytes_per_device(states["unsharded_adam"][1], dev)
+    full = bytes_per_device(states["unsharded_adam"][1], dev)
     for name in ("zero1_adam", "zero2_adam"):
-        b = _bytes_per_device(states[name][1], dev)
+        b = bytes_per_device(states[name][1], dev)
         print(f"  optimizer state bytes/device {name}: {b} / unsharded {full} = {b / full:.4f} "
               f"(1/world_size = 0.25)")
     # Held between steps: params and state (stage 3: both as slices; the others keep full params).
-    held = {name: _bytes_per_device(states[name], dev) for name in ("unsharded_adam", "zero2_adam", "zero3_adam")}
+    held = {name: bytes_per_device(states[name], dev) for name in ("unsharded_adam", "zero2_adam", "zero3_adam")}
     for name in ("zero2_adam", "zero3_adam"):
         print(f"  params + state bytes/device {name}: {held[name]} / unsharded {held['unsharded_adam']} = "
               f"{held[name] / held['unsharded_adam']:.4f}")

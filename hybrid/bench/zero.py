@@ -31,6 +31,11 @@ Then the stage-3 part (``hybrid.bench._zero3``): ZeRO-3 beside DDP, FSDP2, ZeRO-
 the MLP and on 100 small layers, at 2 and 3 ranks: allocator-counted memory and step times.
 ``--part budget`` (``hybrid.bench._zero3_budget``): a model no rank can hold, built on the meta
 device under a per-rank budget, beside FSDP2's meta build, at 2, 3 and 4 ranks, and JAX's stage 3.
+
+With ``--device cuda`` (or ``cpu``) it times GPT training steps instead (GPT-2 small by default,
+float32 and bf16, AdamW): hybrid's ZeRO-1 against torch's ZeroRedundancyOptimizer and ZeRO3
+against FSDP2 (``--part`` picks), NCCL ranks one per GPU, peak memory beside the times
+(``hybrid.bench.gpt``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybrid._table import format_table, human_bytes
+from hybrid.bench import gpt
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 WORLD_SIZE = 2
@@ -177,16 +183,27 @@ def _worker(rank, world, port, outdir, widths, batch, reps, warmup):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid bench zero", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25)")
+    parser.add_argument("--quick", action="store_true", help="a small MLP, 3 repetitions (--device: its model, 5 rounds after 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25; --device: 20)")
     parser.add_argument("--widths", type=str, default=None,
                         help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
     parser.add_argument("--part", choices=("all", "1-2", "3", "budget"), default="all",
                         help="the ZeRO-1/2 part, the stage-3 part, both (default), or the model no rank can hold "
-                             "(budget: from a meta-device build, beside FSDP2's, and the JAX side)")
+                             "(budget: from a meta-device build, beside FSDP2's, and the JAX side); --device: ZeRO-1 "
+                             "against torch's, ZeRO3 against FSDP2, or both")
     parser.add_argument("--worlds", type=str, default=None,
                         help="world sizes of the stage-3 part (default 2,3) or of the budget part (default 2,3,4)")
+    gpt.add_arguments(parser)
     args = parser.parse_args(argv)
+    bench = gpt.config_from_args(parser, args)
+    if bench is not None:
+        if args.part == "budget":
+            parser.error("--part budget: a CPU run of gloo ranks, not taken with --device")
+        from hybrid.bench.gpt._torch import ZERO_PAIRS
+        mlp_only = [f"--{name}" for name in ("widths", "worlds") if getattr(args, name) is not None]
+        if mlp_only:
+            parser.error(f"{', '.join(mlp_only)}: the MLP's, not taken with --device (--ranks sets the ranks)")
+        return gpt.torch_main(parser, bench, "zero", ZERO_PAIRS[args.part])
     reps = args.reps or (3 if args.quick else 25)
     if args.part in ("all", "1-2"):
         _zero12(args, reps)

@@ -9,8 +9,9 @@ the parameters and each optimizer slot, with a checksum of every MiB of it in it
 """
 
 from hybrid.checkpoint._files import Checkpoint, read_state
+from hybrid.checkpoint._leftovers import Leftover, clear_leftovers, latest, leftovers
 from hybrid.checkpoint._manifest import FORMAT_VERSION, CheckpointError, FileEntry, Manifest, OptimizerInfo
 from hybrid.checkpoint._write import save_arrays
 
-__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "FileEntry", "Manifest", "OptimizerInfo", "read_state",
-           "save_arrays"]
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "FileEntry", "Leftover", "Manifest", "OptimizerInfo",
+           "clear_leftovers", "latest", "leftovers", "read_state", "save_arrays"]

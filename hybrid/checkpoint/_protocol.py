@@ -186,6 +186,25 @@ def commit_save(path: str | os.PathLike, manifest: Manifest, *, remove_previous:
         fs.remove_tree(prev)
 
 
+def abandon_save(path: str | os.PathLike, *, own_rank: int | None = None) -> None:
+    """After a save that failed before its commit: remove what it staged, so no ``.NAME.saving``
+    is left behind. By default (the process that began the save, or the only one) the whole
+    staging directory; with ``own_rank`` only that rank's shard file (a process that is not the
+    one that began the save removes what it wrote; a peer may still be writing its own). PATH and
+    ``.previous`` are never touched, and after the commit point there is no staging directory
+    left: calling it then changes nothing."""
+    stage = staging(path)
+    try:
+        if own_rank is None:
+            fs.remove_tree(stage)
+            return
+        for name in os.listdir(stage):
+            if shard_file_rank(name.removesuffix(".part")) == own_rank:
+                fs.unlink(stage / name)
+    except FileNotFoundError:  # never made, already committed, or removed by the process that began it
+        pass
+
+
 def remove_previous_part(path: str | os.PathLike, rank: int, world_size: int, *, map=map) -> None:
     """Step 9 shared out, after the commit: rank ``rank`` of ``world_size`` removes the replaced
     checkpoint's shard files it owns (ranks ``rank``, ``rank + world_size``, ...), rank 0 also

@@ -12,7 +12,7 @@ import numpy as np
 
 from hybrid.core import BucketPlan, FlatShardPlan, MemberSlice, TensorSpec, canonical_dtype, plan_buckets, shard_flat
 from hybrid.checkpoint._files import storage_dtype, write_shard
-from hybrid.checkpoint._protocol import begin_save, commit_save, remove_previous_part
+from hybrid.checkpoint._protocol import abandon_save, begin_save, commit_save, remove_previous_part
 from hybrid.checkpoint._manifest import Manifest, OptimizerInfo
 
 
@@ -106,10 +106,14 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
 
     begin_save(path)
     with concurrent.futures.ThreadPoolExecutor(min(world_size, 8)) as pool:
-        files = list(pool.map(lambda r: write_shard(path, r, world_size, contents(r), body_digest=digest),
-                              range(world_size)))
-        manifest = dataclasses.replace(body, files=tuple(files))
-        commit_save(path, manifest, remove_previous=False)
+        try:
+            files = list(pool.map(lambda r: write_shard(path, r, world_size, contents(r), body_digest=digest),
+                                  range(world_size)))
+            manifest = dataclasses.replace(body, files=tuple(files))
+            commit_save(path, manifest, remove_previous=False)
+        except BaseException:
+            abandon_save(path)  # nothing committed: no half-written .NAME.saving left behind
+            raise
         remove_previous_part(path, 0, 1, map=pool.map)  # the old files in parallel threads
     return manifest
 

@@ -26,7 +26,7 @@ _WHERE = {
     "torch_module": "hybrid.demo._torch_run",
     "launch_torch": "hybrid.demo._torch_run",
     "pin_torch_numerics": "hybrid.demo._torch_run",
-    "spawn_world": "hybrid.demo._torch_run",
+    "spawn_world": "hybrid.demo._world",
     "torch_model": "hybrid.demo._torch_run",
     "train_torch": "hybrid.demo._torch_run",
     "train_torch_runs": "hybrid.demo._torch_run",
@@ -36,6 +36,7 @@ _WHERE = {
     "jax_model": "hybrid.demo._jax_run",
     "build_jax": "hybrid.demo._jax_run",
     "cross_entropy": "hybrid.demo._jax_run",
+    "ensure_host_devices": "hybrid.demo._jax_run",
     "host_mesh": "hybrid.demo._jax_run",
     "jax_params": "hybrid.demo._jax_run",
     "make_optimizer": "hybrid.demo._jax_run",
@@ -59,7 +60,8 @@ def __dir__():
 
 __all__ = [
     "JaxModel", "JaxTraining", "TorchMLP", "TrainConfig", "TrainResult",
-    "batch", "build_jax", "build_torch", "cross_entropy", "global_batch", "gpt_init", "host_mesh", "init_params",
+    "batch", "build_jax", "build_torch", "cross_entropy", "ensure_host_devices", "global_batch", "gpt_init",
+    "host_mesh", "init_params",
     "initial_params", "jax_model", "jax_params",
     "launch_torch", "make_optimizer", "mlp_logits", "numpy_params", "param_order", "param_specs", "rank_rows",
     "pin_jax_numerics", "pin_torch_numerics", "spawn_world", "token_batch", "torch_module", "train_torch_runs",

@@ -14,6 +14,8 @@ its first iteration: from the order its backward computes gradients
 from __future__ import annotations
 
 import functools
+import os
+import re
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -27,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import hybrid.jax as hj
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan
 from hybrid.jax._specs import _Layout
+from hybrid.demo._checkpointing import Checkpointing
 from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, param_order
 
 AXIS = "dp"
@@ -157,6 +160,24 @@ def make_optimizer(config: TrainConfig, layout: dict | None = None) -> optax.Gra
     return hj.zero(inner, AXIS, stage=config.stage, **(zero_layout(config) if layout is None else layout))
 
 
+def ensure_host_devices(num_devices: int) -> None:
+    """Give JAX's CPU platform at least ``num_devices`` devices, if JAX has not started its backends
+    yet (``import jax`` alone does not; the first array or device query does).
+
+    What a script would do by hand (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before
+    jax is imported, or ``jax.config.update("jax_num_cpu_devices", N)`` right after), done for it;
+    a larger count already asked for is kept. Once the backends run their device count is fixed:
+    then nothing changes, and :func:`host_mesh` says what to do if there are too few.
+    """
+    flags = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if max(jax.config.jax_num_cpu_devices, int(flags.group(1)) if flags else 1) >= num_devices:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", num_devices)
+    except RuntimeError:  # the backends are up already: their devices are what they are
+        pass
+
+
 def host_mesh(num_devices: int) -> Mesh:
     """A 1-D mesh ``("dp",)`` of this process's first ``num_devices`` devices."""
     devices = jax.devices()
@@ -277,29 +298,33 @@ def load_checkpoint(path: str, run: JaxTraining) -> tuple[JaxTraining, int]:
 def train_jax(config: TrainConfig, *, num_devices: int = 2, mesh: Mesh | None = None,
               params: dict[str, np.ndarray] | None = None, start_step: int = 0,
               progress: Progress | None = None, resume: str | None = None, save_to: str | None = None,
-              save_at: int | None = None) -> TrainResult:
+              save_at: int | None = None, checkpoint_dir: str | None = None,
+              save_every: int | None = None) -> TrainResult:
     """Train ``config`` from ``start_step`` to ``config.num_steps`` with ``hybrid.jax.zero`` over
     ``mesh`` (default: :func:`host_mesh` of ``num_devices``); device ``r`` gets rank ``r``'s rows.
 
     ``resume`` loads a checkpoint (saved by either frontend at any world size) and starts from its
-    step; ``save_to`` saves one after step ``save_at`` (default the last) and training goes on.
+    step; ``save_to`` saves one after step ``save_at`` (default the last) and training goes on;
+    ``checkpoint_dir`` and ``save_every`` as for :func:`hybrid.demo.train_torch` (saves every
+    that many steps, and a relaunch resumes from the newest).
 
     >>> from hybrid.demo import TrainConfig
     >>> r = train_jax(TrainConfig(num_steps=20, stage=2), num_devices=2)
     >>> len(r.losses), bool(r.losses[-1] < r.losses[0])
     (20, True)
     """
+    saves = Checkpointing(resume, save_to, save_at, checkpoint_dir, save_every)
     run = build_jax(config, host_mesh(num_devices) if mesh is None else mesh, params)
+    resume = saves.resume_path()
     if resume is not None:
         run, start_step = load_checkpoint(resume, run)
-    save_at = config.num_steps if save_at is None else save_at
     t0 = time.perf_counter()
     losses = []
-    for lo, hi in ((start_step, save_at), (save_at, config.num_steps)) if save_to else ((start_step, config.num_steps),):
+    for lo, hi, where in saves.segments(start_step, config.num_steps):
         run, part = train_jax_steps(run, config, lo, hi, progress=progress)
         losses.append(part)
-        if save_to and hi == save_at:
-            save_checkpoint(save_to, run, config, save_at)
+        if where is not None:
+            save_checkpoint(where, run, config, hi)
     seconds = time.perf_counter() - t0
     return TrainResult(np.concatenate(losses), run.model.named(run.params), run.plan.fingerprint(), seconds,
                        start_step, run.plan)

@@ -9,11 +9,7 @@ A run is: build the module and optimizer from numpy arrays (:func:`build_torch`)
 from __future__ import annotations
 
 import contextlib
-import datetime
-import queue
-import socket
 import time
-import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -22,7 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.demo._checkpointing import Checkpointing
 from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, rank_rows
+from hybrid.demo._world import COLLECTIVE_TIMEOUT_S, free_port, spawn_world  # noqa: F401 - re-exported
 from hybrid.torch import DistributedDataParallel, ZeRO2, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer
 
 Progress = Callable[[int, float], None]  # (step, global loss), called on rank 0 after each step
@@ -159,13 +157,17 @@ def train_torch_steps(ddp, opt, config: TrainConfig, start_step: int, stop_step:
 
 def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = None, start_step: int = 0,
                 progress: Progress | None = None, resume: str | None = None, save_to: str | None = None,
-                save_at: int | None = None) -> TrainResult:
+                save_at: int | None = None, checkpoint_dir: str | None = None,
+                save_every: int | None = None) -> TrainResult:
     """Train ``config`` from ``start_step`` to ``config.num_steps`` in the current process group
     (``torch.distributed`` initialised, one call per rank); every rank returns the same result.
 
     ``resume`` loads a checkpoint (:mod:`hybrid.checkpoint.torch`, saved by either frontend at
     any world size) and starts from its step; ``save_to`` saves one after step ``save_at``
-    (default the last) and training goes on.
+    (default the last) and training goes on. ``save_every`` saves every that many steps into
+    ``checkpoint_dir/step-NNNNNN``; given a ``checkpoint_dir`` and no ``resume``, the run resumes
+    from the newest checkpoint there, so a relaunched job continues where it crashed
+    (:class:`~hybrid.demo._checkpointing.Checkpointing`).
 
     >>> import torch.distributed as dist
     >>> from hybrid.demo import TrainConfig
@@ -177,16 +179,17 @@ def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = N
     """
     from hybrid.checkpoint import torch as checkpoint
 
+    saves = Checkpointing(resume, save_to, save_at, checkpoint_dir, save_every)
     ddp, opt = build_torch(config, params)
+    resume = saves.resume_path()
     if resume is not None:
         start_step = checkpoint.load(resume, ddp, opt)
-    save_at = config.num_steps if save_at is None else save_at
     t0 = time.perf_counter()
     losses = []
-    for lo, hi in ((start_step, save_at), (save_at, config.num_steps)) if save_to else ((start_step, config.num_steps),):
+    for lo, hi, where in saves.segments(start_step, config.num_steps):
         losses.append(train_torch_steps(ddp, opt, config, lo, hi, progress=progress))
-        if save_to and hi == save_at:
-            checkpoint.save(save_to, ddp, opt, step=save_at, metadata={"config": config.to_json()})
+        if where is not None:
+            checkpoint.save(where, ddp, opt, step=hi, metadata={"config": config.to_json()})
     seconds = time.perf_counter() - t0
     # ZeRO3's parameters are whole only inside gathered(); cloned, as a numpy view of them would
     # keep the whole gathered bucket alive after the block.
@@ -196,16 +199,7 @@ def train_torch(config: TrainConfig, *, params: dict[str, np.ndarray] | None = N
                        ddp.bucket_plan)
 
 
-# ---- a gloo world on this machine -------------------------------------------------------------
-
-COLLECTIVE_TIMEOUT_S = 60  # a rank that dies makes the others fail within this, not hang
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- runs in a gloo world on this machine (the world itself: hybrid.demo._world) -------------------
 
 
 def train_torch_runs(configs, *, progress=None) -> list[TrainResult]:
@@ -217,70 +211,6 @@ def train_torch_runs(configs, *, progress=None) -> list[TrainResult]:
         cb = None if progress is None else (lambda step, loss, i=i: progress(i, step, loss))
         out.append(train_torch(config, progress=cb))
     return out
-
-
-def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, report_progress: bool, out) -> None:
-    try:
-        pin_torch_numerics()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        progress = (lambda *a: out.put(("progress", a))) if report_progress and rank == 0 else None
-        value = fn(*args, **kwargs, progress=progress)
-        if rank == 0:
-            out.put(("result", value))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
-        out.put(("error", rank, traceback.format_exc()))
-
-
-def spawn_world(fn, *args, world_size: int = 2, progress: Callable | None = None, timeout_s: float = 600,
-                **kwargs):
-    """``fn(*args, **kwargs, progress=...)`` on every rank of a gloo world of ``world_size``
-    spawned processes on 127.0.0.1 (numerics pinned); returns rank 0's return value.
-
-    Spawned, not forked: the caller may hold JAX (or torch) threads. ``fn`` must be importable
-    (a module-level function). Its ``progress`` is ``None`` except on rank 0 when ``progress`` is
-    given here: then each ``progress(*a)`` it makes is called here, in the caller. An exception
-    on any rank is raised here as a RuntimeError with that rank's traceback.
-
-    >>> from hybrid.demo import TrainConfig
-    >>> spawn_world(train_torch, TrainConfig(num_steps=3), world_size=2).losses.shape
-    (3,)
-    """
-    ctx = torch.multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, fn, args, kwargs, progress is not None, out))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                msg = out.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"spawn_world: no result from {world_size} ranks within {timeout_s} s")
-                if not all(p.is_alive() for p in procs):
-                    codes = {r: p.exitcode for r, p in enumerate(procs) if not p.is_alive()}
-                    raise RuntimeError(f"spawn_world: rank(s) exited without a result: exit codes {codes}")
-                continue
-            if msg[0] == "progress":
-                progress(*msg[1])
-            elif msg[0] == "error":
-                raise RuntimeError(f"spawn_world: rank {msg[1]} of {world_size} failed:\n{msg[2]}")
-            else:
-                value = msg[1]
-                break
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return value
 
 
 def launch_torch(config: TrainConfig, *, world_size: int = 2, params: dict[str, np.ndarray] | None = None,

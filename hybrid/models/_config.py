@@ -7,6 +7,10 @@ import dataclasses
 from hybrid.core import ParamMapping
 
 
+# The names GPTConfig.named knows, for command lines' choices.
+CONFIG_NAMES = ("gpt2-small", "tiny")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class GPTConfig:
     """Hyperparameters of the GPT-2-style decoder, the same for the torch and the flax model.
@@ -56,6 +60,24 @@ class GPTConfig:
         124439808
         """
         return cls(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+
+    @classmethod
+    def named(cls, name: str) -> "GPTConfig":
+        """A config by name, as command lines give it: ``"gpt2-small"`` (:meth:`gpt2`, 124M) or
+        ``"tiny"`` (the default config, 0.94M, for CPU runs).
+
+        >>> GPTConfig.named("gpt2-small") == GPTConfig.gpt2()
+        True
+        >>> GPTConfig.named("gpt2-medium")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown GPT config 'gpt2-medium'; known: gpt2-small, tiny
+        """
+        if name == "gpt2-small":
+            return cls.gpt2()
+        if name == "tiny":
+            return cls()
+        raise ValueError(f"unknown GPT config {name!r}; known: {', '.join(CONFIG_NAMES)}")
 
     def num_params(self) -> int:
         """Trainable parameters, the tied embedding counted once (torch's ``named_parameters()``)."""

@@ -96,6 +96,38 @@ def pair_models(module: torch.nn.Module, params, mapping: ParamMapping | None = 
     return mapping.pair(dict(zip(names, (tuple(x.shape) for x in leaves))), torch_shapes)
 
 
+class _AsWrapped(torch.nn.Module):
+    """The bare module as a loss written for the wrapped one sees it: called, or reached through
+    ``.module``, as DDP and ZeRO3 are (and with no gradient hooks of its own)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def observed_ready_order(module: torch.nn.Module, loss_fn, batch) -> list[str]:
+    """torch's own gradient-ready order of ``module`` on one step of ``loss_fn(wrapped, batch)``
+    (the parity harness's loss, written for the DDP-wrapped module); what torch's DDP rebuilds
+    its buckets from. ``batch``: torch tensors. See :func:`hybrid.torch.gradient_ready_order`.
+
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    >>> observed_ready_order(net, lambda m, x: m(x).sum(), torch.ones(2, 3))
+    ['1.weight', '1.bias', '0.bias', '0.weight']
+    """
+    from hybrid.torch import gradient_ready_order
+
+    def loss(m, b):
+        value = loss_fn(_AsWrapped(m), b)
+        if not (isinstance(value, torch.Tensor) and value.ndim == 0):  # the ranks' own message, before they start
+            raise TypeError(f"the torch loss_fn must return a scalar tensor, got {type(value).__name__} "
+                            f"{tuple(getattr(value, 'shape', ()))}")
+        return value
+    return gradient_ready_order(module, loss, batch)
+
+
 def torch_to_jax(module: torch.nn.Module, like, mapping: ParamMapping | None = None):
     """The torch module's parameters as a JAX tree in the structure, names and layouts of ``like``.
 

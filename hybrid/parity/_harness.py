@@ -12,15 +12,16 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hybrid.core import ParamMapping, ParamPairing
-from hybrid.parity._bridge import jax_tree, named_torch, pair_models
+from hybrid.parity._bridge import jax_tree, named_torch, observed_ready_order, pair_models
 from hybrid.parity._report import ParityReport, SideRun, Tolerance, compare
-from hybrid.parity._spec import OptimizerSpec, check_split, count, global_batches, pair_of, portable
+from hybrid.parity._spec import OptimizerSpec, check_split, count, global_batches, pair_of, portable, tree_map
 
 STAGES = (0, 1, 2, 3)
 
@@ -44,7 +45,11 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
             mapping: ParamMapping | ParamPairing | None = None, seed: int = 0) -> ParitySetup:
     """Call both factories (torch's under ``torch.manual_seed(seed)``), pair the models through
     ``mapping`` (default ``ParamMapping.flax()``; ties found in the torch module) and cross torch's
-    initial weights to the JAX tree; draw ``steps`` global batches from ``data``.
+    initial weights to the JAX tree; draw ``steps`` global batches from ``data``. The torch module
+    takes one step (forward and backward, on step 0's batch; nothing is updated) to observe the
+    order torch's backward makes the gradients ready (:func:`hybrid.torch.gradient_ready_order`):
+    the pairing carries it, so the JAX side plans the buckets torch's DDP rebuilds, whatever the
+    mapping's rules say about the order inside a module.
 
     Args:
       torch_pair: ``() -> (torch.nn.Module, loss_fn(module, batch) -> scalar tensor)``, or its
@@ -57,7 +62,7 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
         the rows it is given, so that DDP's average is the global batch's loss.
 
     >>> import jax.numpy as jnp, numpy as np
-    >>> setup = prepare(lambda: (torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 2)}), lambda m, x: m["fc"](x).mean()),
+    >>> setup = prepare(lambda: (torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 2)}), lambda m, x: m.module["fc"](x).mean()),
     ...                 lambda: ({"fc": {"kernel": jnp.zeros((3, 2)), "bias": jnp.zeros(2)}},
     ...                          lambda p, x: (x @ p["fc"]["kernel"] + p["fc"]["bias"]).mean()),
     ...                 lambda step: np.full((4, 3), step, np.float32), steps=2)
@@ -70,7 +75,7 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
     if not isinstance(optimizer, OptimizerSpec):
         raise TypeError(f"optimizer must be a hybrid.parity.OptimizerSpec, got {type(optimizer).__name__}")
     torch.manual_seed(count("seed", seed, least=0))
-    module, _ = pair_of(torch_pair, "torch")
+    module, torch_loss = pair_of(torch_pair, "torch")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"the torch factory must return (torch.nn.Module, loss_fn), got {type(module).__name__}")
     like, jax_loss = pair_of(jax_pair, "jax")
@@ -79,8 +84,12 @@ def prepare(torch_pair, jax_pair, data, *, steps: int, optimizer: OptimizerSpec 
     else:
         pairing = pair_models(module, like, mapping)
     init = named_torch(module)
+    batches = global_batches(data, steps)
+    if not pairing.torch_ready:
+        ready = observed_ready_order(module, torch_loss, tree_map(torch.from_numpy, batches[0]))
+        pairing = pairing.with_torch_ready(ready)
     return ParitySetup(portable(torch_pair), jax_tree(like, pairing.to_jax(init)), jax_loss, pairing, init,
-                       global_batches(data, steps), optimizer)
+                       batches, optimizer)
 
 
 def _check_stage(stage) -> int:
@@ -97,13 +106,15 @@ def _check_save(setup: ParitySetup, save_at, save_to) -> None:
 
 
 def train_torch(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
-                save_to=None, timeout_s: float = 300, progress=None) -> SideRun:
+                save_to=None, timeout_s: float = 300, progress=None, cancel: threading.Event | None = None) -> SideRun:
     """The torch side: ``hybrid.torch.DistributedDataParallel`` at torch's default caps (+
     ``ZeroRedundancyOptimizer`` for stage 1, ``ZeRO2`` for stage 2), or ``hybrid.torch.ZeRO3`` +
-    ``ZeRO3Optimizer`` (stage 3, ZeRO3's default plan), on ``world_size`` spawned gloo
-    ranks, rank ``r`` on rows ``[r B / W, (r + 1) B / W)``. ``resume`` / ``save_at`` + ``save_to``:
-    checkpoints of :mod:`hybrid.checkpoint.torch`. A rank that fails or hangs raises here (with its
-    traceback) within ``timeout_s``."""
+    ``ZeRO3Optimizer`` (stage 3, ZeRO3's default plan), on ``world_size`` gloo ranks (fresh
+    processes: your script is not run again in them), rank ``r`` on rows ``[r B / W, (r + 1) B / W)``.
+    ``resume`` / ``save_at`` + ``save_to``: checkpoints of :mod:`hybrid.checkpoint.torch`. A rank that
+    raises is raised here with its traceback; one that dies (at import, killed) within about a
+    second with its exit code and stderr; one that hangs at ``timeout_s``. ``cancel``: an event that
+    stops the ranks when set."""
     from hybrid.parity._run_torch import train_torch_world
 
     world_size = count("world_size", world_size)
@@ -112,7 +123,7 @@ def train_torch(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resu
     job = dict(factory=setup.torch_factory, init=setup.init, optimizer=setup.optimizer, stage=_check_stage(stage),
                batches=setup.batches, resume=None if resume is None else str(resume), save_at=save_at,
                save_to=None if save_to is None else str(save_to))
-    return train_torch_world(job, world_size=world_size, timeout_s=timeout_s, progress=progress)
+    return train_torch_world(job, world_size=world_size, timeout_s=timeout_s, progress=progress, cancel=cancel)
 
 
 def train_jax(setup: ParitySetup, *, num_devices: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
@@ -144,16 +155,37 @@ def run(torch_pair, jax_pair, data, *, steps: int = 10, optimizer: OptimizerSpec
     """Train the pair with both frontends from the same weights on the same global batches and
     compare them (torch is the reference): per-step losses, final parameters per tensor, plans.
 
-    The torch ranks run while JAX trains in this process. Arguments as :func:`prepare`,
-    :func:`train_torch` and :func:`train_jax`; ``tolerance`` decides the report's verdicts.
-    See docs/parity.md for a whole example.
+    The torch ranks run while JAX trains in this process; whichever side fails first ends the
+    other within a step. Where JAX has not started yet (``import jax`` alone does not start it),
+    its CPU platform is given ``num_devices`` devices, so a script needs no ``XLA_FLAGS``; and the
+    torch ranks do not run the calling script again, so it needs no ``__main__`` guard. Arguments
+    as :func:`prepare`, :func:`train_torch` and :func:`train_jax`; ``tolerance`` decides the
+    report's verdicts. See docs/parity.md for a whole example.
     """
+    from hybrid.demo import ensure_host_devices
+
+    ensure_host_devices(count("num_devices", num_devices))  # before the JAX factory starts JAX
     setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
     _check_tolerance(tolerance, setup)
+    stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        torch_side = pool.submit(train_torch, setup, world_size=world_size, stage=stage, timeout_s=timeout_s)
-        jax_side = train_jax(setup, num_devices=num_devices, stage=stage)
+        torch_side = pool.submit(train_torch, setup, world_size=world_size, stage=stage, timeout_s=timeout_s,
+                                 cancel=stop)
+        try:
+            jax_side = train_jax(setup, num_devices=num_devices, stage=stage, progress=_raise_if_failed(torch_side))
+        except BaseException:
+            stop.set()  # the torch ranks end now, not at their timeout
+            raise
         return compare(torch_side.result(), jax_side, tolerance=tolerance)
+
+
+def _raise_if_failed(side: concurrent.futures.Future):
+    """A progress callback that raises the other side's error as soon as it has one."""
+    def progress(step, loss):
+        del step, loss
+        if side.done() and side.exception() is not None:
+            raise side.exception()
+    return progress
 
 
 def handover(torch_pair, jax_pair, data, *, at: int, to: str = "jax", steps: int = 10,
@@ -174,6 +206,9 @@ def handover(torch_pair, jax_pair, data, *, at: int, to: str = "jax", steps: int
         raise ValueError(f"at must be in 1..{steps - 1}, a step before the last, got {at!r}")
     if not optimizer.stateful:
         raise ValueError("sgd without momentum keeps no optimizer state to hand over: give momentum, or use adam")
+    from hybrid.demo import ensure_host_devices
+
+    ensure_host_devices(count("num_devices", num_devices))
     setup = prepare(torch_pair, jax_pair, data, steps=steps, optimizer=optimizer, mapping=mapping, seed=seed)
     _check_tolerance(tolerance, setup)
     with tempfile.TemporaryDirectory(prefix="hybrid-parity-") as tmp:

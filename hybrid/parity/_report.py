@@ -169,12 +169,32 @@ class ParityReport:
         """Losses and parameters within the tolerance (plans are :func:`assert_parity`'s business)."""
         return self.first_loss_break is None and not self.param_breaks
 
+    @property
+    def failures(self) -> tuple[str, ...]:
+        """What differs, in words, for the headline: the losses, the parameters, the plans."""
+        out = []
+        if self.first_loss_break is not None:
+            out.append(f"losses from step {self.first_loss_break}")
+        if self.param_breaks:
+            out.append(f"{len(self.param_breaks)} of {len(self.params)} tensors")
+        if not self.plans_match:
+            out.append("the bucket plans differ")
+        return tuple(out)
+
+    @property
+    def headline(self) -> str:
+        """``"parity ok"`` only when losses, parameters and plans all agree; else ``"parity FAILED
+        (...)"`` naming each of them that does not (also when :func:`assert_parity` is told to
+        skip the plans: the report says what it saw)."""
+        failures = self.failures
+        return f"parity FAILED ({'; '.join(failures)})" if failures else "parity ok"
+
     def summary(self) -> str:
         """A few lines for people: the verdict, the first break of each kind, the plans."""
         a, b = self.labels
         t, steps, diffs = self.tolerance, self.steps, self.loss_diffs
-        lines = [f"parity {'ok' if self.ok else 'FAILED'}: {b} against {a}, steps {steps[0]}..{steps[-1]}"
-                 if len(steps) else f"parity: {b} against {a}, no steps in common"]
+        lines = [f"{self.headline}: {b} against {a}, steps {steps[0]}..{steps[-1]}"
+                 if len(steps) else f"{self.headline}: {b} against {a}, no steps in common"]
         first = self.first_loss_break
         worst_step = int(steps[np.argmax(diffs)]) if len(steps) else None
         if first is None:
@@ -207,7 +227,8 @@ class ParityReport:
         """A JSON-able dict (:meth:`from_json` reads it back), with the derived verdicts for readers."""
         out = dataclasses.asdict(self)
         out.update(first_loss_break=self.first_loss_break, param_breaks=list(self.param_breaks),
-                   plans_match=self.plans_match, ok=self.ok, loss_diffs=self.loss_diffs.tolist())
+                   plans_match=self.plans_match, ok=self.ok, headline=self.headline,
+                   loss_diffs=self.loss_diffs.tolist())
         return out
 
     def dumps(self) -> str:
@@ -233,7 +254,7 @@ class ParityReport:
         top.plot(steps, self.losses[1], "--", label=self.labels[1])
         top.set_ylabel("loss (global batch)")
         top.legend(fontsize=8)
-        top.set_title(f"parity {'ok' if self.ok else 'FAILED'}: max |param diff| {self.max_param_diff:.1e}")
+        top.set_title(f"{self.headline}: max |param diff| {self.max_param_diff:.1e}", fontsize=9)
         diffs = self.loss_diffs
         bottom.semilogy(steps, np.where(diffs > 0, diffs, np.nan), "o-", ms=3, label="|loss diff|")
         bottom.semilogy(steps, t.loss_atol + t.loss_rtol * np.abs(np.asarray(self.losses[0])), "k:",
@@ -290,13 +311,10 @@ def assert_parity(report: ParityReport, *, plans: bool = True) -> None:
     >>> assert_parity(compare(a, b))
     Traceback (most recent call last):
     ...
-    AssertionError: parity FAILED: jax against torch, steps 0..1
+    AssertionError: parity FAILED (losses from step 1; 1 of 1 tensors): jax against torch, steps 0..1
       losses: first break at step 1: torch 0.5, jax 0.6, |diff| 1.00e-01 > 6.00e-06 allowed (rtol 1e-05, atol 1e-06); 1 of 2 steps break, max |diff| 1.00e-01 at step 1
       params: 1 of 1 tensors break rtol 0.0001 / atol 1e-05, first (torch's order) 'w'; worst 'w': 100x the allowed at index [1], max |diff| 1.00e-03
       plans: torch f, jax f (equal)
     """
     if not report.ok or (plans and not report.plans_match):
-        summary = report.summary()
-        if report.ok:
-            summary = summary.replace("parity ok", "parity FAILED (the bucket plans differ)", 1)
-        raise AssertionError(summary)
+        raise AssertionError(report.summary())

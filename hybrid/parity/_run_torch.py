@@ -99,10 +99,10 @@ def train_rank(job: dict, progress=None) -> SideRun:
                    ddp.bucket_plan.fingerprint(), seconds)
 
 
-def train_torch_world(job: dict, *, world_size: int, timeout_s: float, progress=None) -> SideRun:
+def train_torch_world(job: dict, *, world_size: int, timeout_s: float, progress=None, cancel=None) -> SideRun:
     """:func:`train_rank` on a spawned gloo world of ``world_size`` ranks; rank 0's result."""
     from hybrid.demo import spawn_world
-    return spawn_world(train_rank, job, world_size=world_size, timeout_s=timeout_s, progress=progress)
+    return spawn_world(train_rank, job, world_size=world_size, timeout_s=timeout_s, progress=progress, cancel=cancel)
 
 
 def torch_ddp_buckets(module: torch.nn.Module, backward, *, bucket_cap_mb: float | None = None) -> list[list[str]]:

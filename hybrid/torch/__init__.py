@@ -6,6 +6,7 @@ collectives that fail loudly, flat parameter buffers and the cost probe, which a
 """
 
 from hybrid.torch._cost_probe import measure_collectives
+from hybrid.torch._ready import gradient_ready_order
 from hybrid.torch.ddp import DistributedDataParallel, GradBucket, specs
 from hybrid.torch.dynamo import SplitBackend, SplitReport, compile, split_reports
 from hybrid.torch.zero import (GradientInShards, ParameterInShards, ZeRO2, ZeRO3, ZeRO3Optimizer,
@@ -13,4 +14,5 @@ from hybrid.torch.zero import (GradientInShards, ParameterInShards, ZeRO2, ZeRO3
 
 __all__ = ["DistributedDataParallel", "GradBucket", "GradientInShards", "ParameterInShards", "SplitBackend",
            "SplitReport", "ZeRO2", "ZeRO3", "ZeRO3Optimizer", "ZeroRedundancyOptimizer", "compile",
-           "hook_with_zero_step", "hook_with_zero_step_interleaved", "measure_collectives", "specs", "split_reports"]
+           "gradient_ready_order", "hook_with_zero_step", "hook_with_zero_step_interleaved", "measure_collectives",
+           "specs", "split_reports"]

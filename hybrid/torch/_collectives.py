@@ -33,6 +33,23 @@ def collective_failed(what: str, error: BaseException) -> RuntimeError:
 _BACKEND_MARKS = ("gloo", "nccl", "connection reset", "connection closed", "timed out", "timeout", "pair closure")
 
 
+# How gloo words a peer whose process is gone (its socket closed), as opposed to one that is late.
+_GONE_MARKS = ("connection reset", "connection closed", "connection refused", "broken pipe")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether a failed collective's ``error`` says a peer's process went away (its connection
+    closed), rather than that a wait ran out.
+
+    >>> peer_gone(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    True
+    >>> peer_gone(RuntimeError("[gloo/transport/tcp/pair.cc:446] Timed out waiting 5000ms for recv"))
+    False
+    """
+    text = str(error).lower()
+    return any(mark in text for mark in _GONE_MARKS)
+
+
 def is_collective_failure(error: BaseException) -> bool:
     """Whether ``error`` is the backend reporting a failed collective (a dead or stalled peer),
     rather than, say, a bug in a comm hook's own code, which must surface as it is.

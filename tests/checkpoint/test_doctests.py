@@ -8,7 +8,7 @@ import pytest
 MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._shard_file", "hybrid.checkpoint._write", "hybrid.checkpoint._manifest",
            "hybrid.checkpoint.torch._save", "hybrid.checkpoint.torch._load", "hybrid.checkpoint.jax._save",
            "hybrid.checkpoint.jax._load",
-           "hybrid.checkpoint.jax._optax_groups"]
+           "hybrid.checkpoint.jax._optax_groups", "hybrid.checkpoint._leftovers"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,5 +1,5 @@
-"""A rank killed in the middle of writing its file: the others raise within seconds (no hang) and
-the previous checkpoint stays intact and loadable. Both distributed torch saves, on the demo's
+"""A rank killed in the middle of writing its file: the others raise within seconds (no hang),
+the previous checkpoint stays intact and loadable, and no ``.ckpt.saving`` is left behind. Both distributed torch saves, on the demo's
 model: DDP with ZeroRedundancyOptimizer (stage 1), and ZeRO3 with ZeRO3Optimizer (stage 3,
 buckets capped at 4 KiB: each rank writes only its shards of them)."""
 
@@ -83,3 +83,5 @@ def test_killed_rank_leaves_previous_checkpoint(tmp_path, stage):
     ckpt.verify()
     assert ckpt.manifest.step == 2 and ckpt.manifest.stage == stage
     assert pathlib.Path(path, "manifest.json").exists()
+    # rank 0 began the save and lives: it removed what was staged, the dead rank's half file included
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -86,10 +86,14 @@ def test_bad_spec_in_file(tmp_path):
 
 
 def test_caps_printed_are_the_caps_used():
-    # torch's DDP drops a first-bucket cap that is not below the cap; the plan does too, and so
-    # must the text: every bucket of --bucket-cap-mb 0.02 is filled to 20.48 KiB, none to 1 MiB.
+    # torch's DDP caps the first bucket at bucket_cap_mb when one is given, and drops a first-bucket
+    # cap that is not below the cap; the plan does too, and so must the text: every bucket of
+    # --bucket-cap-mb 0.02 is filled to 20.48 KiB, none to 1 MiB.
     out = run_cli("--model", "mlp", "--bucket-cap-mb", "0.02")
     assert out.returncode == 0, out.stderr
+    caps_line = next(line for line in out.stdout.splitlines() if line.startswith("Buckets"))
+    assert "cap 20.48 KiB for every bucket" in caps_line and "ignored" not in caps_line
+    out = run_cli("--model", "mlp", "--bucket-cap-mb", "0.02", "--first-bucket-cap-mb", "1")
     caps_line = next(line for line in out.stdout.splitlines() if line.startswith("Buckets"))
     assert "cap 20.48 KiB for every bucket" in caps_line and "ignored" in caps_line
     report = json.loads(run_cli("--model", "mlp", "--bucket-cap-mb", "0.02", "--json").stdout)

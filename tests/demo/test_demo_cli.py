@@ -30,6 +30,8 @@ def test_the_gpt_pair_trains_at_default_caps_compares_hands_over_and_plots(tmp_p
     proc = _demo("--steps", "6", "--save-at", "3", cwd=tmp_path / "clone", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    # stderr is a pipe here, as in a log: whole progress lines, no progress bar's carriage returns
+    assert "\r" not in proc.stderr and "torch  DDP + ZeRO-1, 2 gloo ranks: step 6/6, loss " in proc.stderr
     assert "GPT pair" in out and "470,528 parameters in 28 tensors" in out
     # torch's default caps: a 1 MiB first bucket of 16 tensors, the rest in a second; equal plans
     assert "Tensors per bucket: 16 + 12." in out and "(equal)" in out
@@ -44,7 +46,6 @@ def test_the_gpt_pair_trains_at_default_caps_compares_hands_over_and_plots(tmp_p
     assert (where / "checkpoint" / "manifest.json").exists()
     png = where / "loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"parity: {png}" in out
-    assert "step/s" in proc.stderr  # tqdm's bars
 
 
 def test_the_mlp_stays_an_option(tmp_path):
@@ -117,3 +118,46 @@ def test_demo_failure_is_a_message_and_exit_1(tmp_path):
     proc = _demo("--steps", "4", "--out", "taken", cwd=tmp_path)
     assert proc.returncode == 1
     assert "hybrid demo failed: FileExistsError" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_second_demo_on_the_same_folder_is_refused(tmp_path):
+    """Two runs at once would overwrite each other's checkpoint and plot: the second is told which
+    run holds the folder and how to give it its own."""
+    import fcntl
+
+    from hybrid._demo_cli import LOCK_NAME
+    with open(tmp_path / LOCK_NAME, "w") as held:
+        held.write("pid 4242, started 2026-11-27 12:00:00\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = _demo("--model", "mlp", "--steps", "2", "--out", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert f"another python -m hybrid demo is writing to {tmp_path} (pid 4242, started 2026-11-27 12:00:00)" \
+        in proc.stderr and "--out DIR" in proc.stderr
+    assert not (tmp_path / "checkpoint").exists()
+    proc = _demo("--model", "mlp", "--steps", "2", "--out", str(tmp_path), cwd=tmp_path)  # released: it runs
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_progress_is_a_bar_on_a_terminal_and_whole_lines_in_a_log(monkeypatch):
+    import io
+
+    from hybrid._demo_cli import PlainProgress, _bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stderr", Terminal())
+    assert type(_bar("torch", 3)).__name__ == "tqdm"
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    bar = _bar("torch", 40)
+    assert isinstance(bar, PlainProgress)
+    with bar:
+        for step in range(40):
+            bar.update(1)
+            bar.set_postfix(loss=f"{1 / (step + 1):.4f}")
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("torch: step 40/40, loss 0.0250, ")  # every 4th step
+    assert "\r" not in log.getvalue()

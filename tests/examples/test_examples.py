@@ -159,3 +159,30 @@ def test_jax_example_at_stage_3_saves_across_processes_and_resumes(tmp_path):
     np.testing.assert_allclose(resumed_losses, losses[SAVE_AT:], rtol=1e-6, atol=1e-7)
     for name in params:
         np.testing.assert_allclose(resumed_params[name], params[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_a_crashed_torchrun_job_relaunched_goes_on_from_its_newest_checkpoint(torchrun_example, tmp_path):
+    """The recovery docs/torch.md gives (torchrun's --max-restarts fails on gloo): launched with
+    --checkpoint-dir and --save-every, the job crashes after step 11 (--fail-at); the same command
+    launched again resumes from step-000008, the newest complete checkpoint, and ends where the
+    uninterrupted run ends, bit for bit (2 ranks: a 2-operand all-reduce is exact, so the fresh
+    DDP's first bucket does not matter)."""
+    def torchrun(*extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(ROOT / "examples" / "torch_train.py"), "--steps", str(STEPS),
+               "--batch-size", str(BATCH), "--checkpoint-dir", str(tmp_path / "ckpts"), "--save-every", "4", *extra]
+        return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+    crashed = torchrun("--fail-at", "11")
+    assert crashed.returncode != 0 and "crashing after step 10 (--fail-at 11)" in crashed.stdout, crashed.stdout[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step-000004", "step-000008"]
+    relaunched = torchrun("--out", str(tmp_path / "result.npz"))
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:] + relaunched.stderr[-3000:]
+    assert f"resuming from {tmp_path / 'ckpts' / 'step-000008'} (step 8)" in relaunched.stdout
+    _printed_losses(relaunched.stdout, start=8)
+    losses, params = _saved(tmp_path / "result.npz")
+    uninterrupted_losses, uninterrupted = torchrun_example[1]
+    np.testing.assert_array_equal(losses, uninterrupted_losses[8:])
+    for name in uninterrupted:
+        np.testing.assert_array_equal(params[name], uninterrupted[name], err_msg=name)
+    assert (tmp_path / "ckpts" / "step-000020").exists()  # it went on saving

@@ -180,7 +180,8 @@ def test_integer_leaves(name):
 
 
 @pytest.mark.parametrize("inner,culprit", [
-    (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), "clip_by_global_norm"),
+    # a global-norm clip zero cannot rewrite: behind MultiSteps (in a chain it is rewritten, below)
+    (optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), 2), "clip_by_global_norm"),
     (optax.lamb(1e-3), "scale_by_trust_ratio"),
     (optax.adafactor(1e-3), "scale_by_factored_rms"),
     # a mask behind a wrapper zero does not rewrite (masks in chains are supported: test_jax_zero_masks)
@@ -201,7 +202,10 @@ def test_lamb_refusal_names_the_trust_ratio():
 
 
 @pytest.mark.parametrize("inner", [optax.adamw(1e-3), optax.lion(1e-3), optax.sgd(0.1, momentum=0.9),
-                                   optax.chain(hj.clip_by_global_norm(1.0, "dp"), optax.adam(1e-3))])
+                                   optax.chain(hj.clip_by_global_norm(1.0, "dp"), optax.adam(1e-3)),
+                                   optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+                                   optax.named_chain(("clip", optax.clip_by_global_norm(1.0)), ("opt", optax.adam(1e-3))),
+                                   optax.clip_by_global_norm(1.0)])
 def test_elementwise_inner_accepted(inner):
     hj.zero(inner, "dp")
 

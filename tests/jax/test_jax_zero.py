@@ -28,6 +28,8 @@ INNER = {
     # a small max_norm so clipping triggers on every step
     "clip_adamw": lambda ax: optax.chain(hj.clip_by_global_norm(0.1, ax) if ax else optax.clip_by_global_norm(0.1),
                                          optax.adamw(1e-2, weight_decay=0.1)),
+    # the chain a flax user already has, wrapped whole: zero rewrites optax's clip to its axis-aware twin
+    "optax_chain_wrapped": lambda ax: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2, weight_decay=0.1)),
 }
 
 

@@ -30,6 +30,8 @@ INNER = {
     "sgd_momentum": lambda ax: optax.sgd(0.05, momentum=0.9),
     "clip_adamw": lambda ax: optax.chain(hj.clip_by_global_norm(0.1, ax) if ax else optax.clip_by_global_norm(0.1),
                                          optax.adamw(1e-2, weight_decay=0.1)),
+    # the chain a flax user already has, wrapped whole: zero rewrites optax's clip to its axis-aware twin
+    "optax_chain_wrapped": lambda ax: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2, weight_decay=0.1)),
 }
 
 

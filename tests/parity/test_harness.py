@@ -119,7 +119,8 @@ def test_broken_pair_is_caught_at_its_first_step(torch_gpt):
         hp.assert_parity(report)
     message = str(e.value)
     lines = message.splitlines()
-    assert lines[0] == f"parity FAILED: jax, 2 devices against torch, 2 ranks, steps 0..{STEPS - 1}"
+    broken = f"{len(report.param_breaks)} of {len(report.params)} tensors"
+    assert lines[0] == f"parity FAILED (losses from step 0; {broken}): jax, 2 devices against torch, 2 ranks, steps 0..{STEPS - 1}"
     assert lines[1].startswith("  losses: first break at step 0: torch, 2 ranks ")
     assert f"first (torch's order) {report.param_breaks[0]!r}" in lines[2] and repr(report.worst_param[0]) in lines[2]
     print(f"\n{message}")
@@ -209,6 +210,18 @@ def tiny_torch_unreduced_loss():
     return net, lambda net, batch: (net(batch["x"]) - batch["y"]) ** 2
 
 
+def tiny_torch_failing_on_rank_1():
+    """A loss that works here (where prepare observes torch's order) and fails on rank 1 only."""
+    import torch.distributed as dist
+    net, loss = tiny_torch()
+
+    def failing(net, batch):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise FloatingPointError("rank 1's data loader gave a NaN row")
+        return loss(net, batch)
+    return net, failing
+
+
 def tiny_flax():
     import flax.linen as nn
     import jax
@@ -231,10 +244,16 @@ def tiny_data(step):
 
 
 def test_an_error_on_a_torch_rank_is_raised_here_with_its_traceback():
-    setup = hp.prepare(tiny_torch_unreduced_loss, tiny_flax, tiny_data, steps=2)
-    with pytest.raises(RuntimeError, match=r"(?s)rank \d of 2 failed:.*TypeError: the torch loss_fn must return "
-                                           r"a scalar tensor, got Tensor \(4, 1\)"):
+    setup = hp.prepare(tiny_torch_failing_on_rank_1, tiny_flax, tiny_data, steps=2)
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed:.*FloatingPointError: rank 1's data loader"):
         hp.train_torch(setup, world_size=2, timeout_s=120)
+
+
+def test_a_loss_that_is_no_scalar_is_refused_before_anything_trains():
+    """prepare runs torch's loss once (to observe its gradient-ready order): the harness's own
+    message, here, before a rank is spawned."""
+    with pytest.raises(TypeError, match=r"the torch loss_fn must return a scalar tensor, got Tensor \(8, 1\)"):
+        hp.prepare(tiny_torch_unreduced_loss, tiny_flax, tiny_data, steps=2)
 
 
 def _cli(*args, cwd=ROOT):

@@ -8,6 +8,7 @@ tree, pairing and ready order: names, bucket membership and fingerprint must be 
 import json
 
 import pytest
+import torch
 
 from hybrid.core import MiB
 from hybrid.models import GPT_MAPPING
@@ -39,11 +40,14 @@ def test_plan_equals_torch_ddp_after_its_rebuild(at_small_caps):
 def test_plan_is_the_one_hybrid_jax_builds(at_small_caps):
     from hybrid.jax import gradient_ready_order
     from hybrid.jax._specs import _Layout
-    from hybrid.parity._bridge import pair_models
+    from hybrid.parity._bridge import observed_ready_order, pair_models
+    from hybrid.parity._spec import tree_map
 
     params, loss = _pairs.flax_gpt()
-    module, _ = _pairs.torch_gpt()
-    pairing = pair_models(module, params, GPT_MAPPING)
+    module, torch_loss = _pairs.torch_gpt()
+    # with --torch the pairing carries torch's own order, observed on step 0's batch
+    observed = observed_ready_order(module, torch_loss, tree_map(torch.from_numpy, _pairs.gpt_data(0)))
+    pairing = pair_models(module, params, GPT_MAPPING).with_torch_ready(observed)
     layout = _Layout.of(params, what="test", order=None, ready_order=gradient_ready_order(loss, params, _pairs.gpt_data(0)),
                         pairing=pairing, bucket_cap_bytes=int(0.02 * MiB), first_bucket_cap_bytes=MiB)
     assert at_small_caps["fingerprint"] == layout.plan.fingerprint()
@@ -66,9 +70,9 @@ def test_every_tensor_is_listed_with_both_names_layout_and_rule(at_small_caps):
 def test_default_caps_and_tables():
     out = run_cli("--jax", JAX, "--torch", TORCH, "--mapping", MAPPING, "--data", DATA)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "Tensors on both sides, bucket by bucket (the JAX backward's gradient-ready order" in out.stdout
-    assert "torch's own DistributedDataParallel after its rebuild (2 steps, 1 gloo rank, same caps): the same 1 bucket(s)" \
-        in out.stdout
+    assert "Tensors on both sides, bucket by bucket (torch's own gradient-ready order" in out.stdout
+    assert ("torch's own DistributedDataParallel after its rebuild (2 steps, 1 gloo rank, as built at these flags): "
+            "the same 1 bucket(s)") in out.stdout
 
 
 def test_without_the_torch_half_names_are_derived_by_the_rules():
@@ -85,13 +89,75 @@ def test_a_different_plan_is_reported_with_its_first_bucket():
     from hybrid.core import plan_buckets
     from hybrid.torch import specs
 
-    class Args:
-        bucket_cap_mb, first_bucket_cap_mb = 0.02, 1.0
+    class Args:  # --bucket-cap-mb 0.02 given: torch's first bucket is capped at 0.02 too
+        bucket_cap_mb = first_bucket_cap_mb = bucket_cap_mb_given = 0.02
 
     module, loss = _pairs.torch_gpt()
-    before_rebuild = plan_buckets(specs(module), bucket_cap_bytes=int(0.02 * MiB), first_bucket_cap_bytes=MiB)
+    cap = int(0.02 * MiB)
+    before_rebuild = plan_buckets(specs(module), bucket_cap_bytes=cap, first_bucket_cap_bytes=cap)
     check = _torch_check((module, loss), _pairs.gpt_data(0), before_rebuild, Args)
     assert not check["equal"] and check["first_difference"] == 0
+
+
+# ---- a pair over 1 MiB at default flags (the outsider GPT, 6.1 MiB): torch's first bucket is 1 MiB ----
+
+WIDE = ("--jax", "tests.parity._outsider:flax_wide", "--mapping", "tests.parity._outsider:WIDE_MAPPING",
+        "--data", "tests.parity._outsider:data")
+
+
+@pytest.fixture(scope="module")
+def wide_with_torch():
+    return _json(*WIDE, "--torch", "tests.parity._outsider:torch_wide")
+
+
+def test_default_flags_run_torch_as_a_user_would(wide_with_torch):
+    """No --bucket-cap-mb: torch's DDP is built without bucket_cap_mb (an explicit 25 would cap its
+    first bucket at 25 MiB too, and the check would report a difference that is not there)."""
+    check, section = wide_with_torch["pairing"]["torch_check"], wide_with_torch["pairing"]
+    assert check["equal"], check
+    assert len(check["torch_buckets"]) == len(wide_with_torch["buckets"]) == 2
+    assert wide_with_torch["size_limits"] == [MiB, 25 * MiB]
+    assert section["order"] == "torch" and section["rules_order_agrees"] == {"equal": True}
+    out = run_cli(*WIDE, "--torch", "tests.parity._outsider:torch_wide")
+    assert "torch's own gradient-ready order, observed on one step of the torch half" in out.stdout
+    assert "as built at these flags): the same 2 bucket(s), tensor for tensor" in out.stdout
+    assert "DIFFERS" not in out.stdout
+
+
+def test_an_explicit_cap_caps_torchs_first_bucket_too():
+    report = _json(*WIDE, "--torch", "tests.parity._outsider:torch_wide", "--bucket-cap-mb", "2")
+    assert report["size_limits"] == [2 * MiB] and report["pairing"]["torch_check"]["equal"]
+
+
+def test_zero3_fingerprint_is_zero3s_own(wide_with_torch):
+    """What ``parity --stage 3`` reports: the plan hybrid.torch.ZeRO3 builds over the torch half."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hybrid.demo._torch_run import free_port
+    from hybrid.torch import ZeRO3
+    from tests.parity import _outsider
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        assert wide_with_torch["zero3_fingerprint"] == ZeRO3(_outsider.torch_wide()[0]).bucket_plan.fingerprint()
+    finally:
+        dist.destroy_process_group()
+    text = run_cli(*WIDE, "--torch", "tests.parity._outsider:torch_wide").stdout
+    assert f"parity --stage 3 reports: plan {wide_with_torch['zero3_fingerprint']}" in text
+    # without the torch half there is no registration order: the tree's leaf order stands in, and it says so
+    assert "ZeRO-3's plan above follows torch's registration order only with --torch" in run_cli(*WIDE).stdout
+
+
+def test_without_the_torch_half_the_assumed_order_is_named():
+    report = _json(*WIDE)
+    assumed = report["pairing"]["assumed_together"]
+    assert report["pairing"]["order"] == "ready" and "torch_check" not in report["pairing"]
+    assert assumed["blocks.0.ln1"] == "norm-like" and assumed["ln_f"] == "rule" and "blocks.0.attn.qkv" not in assumed
+    text = run_cli(*WIDE).stdout
+    assert "Assumed, with no torch half to observe" in text and "blocks.7.ln2 (norm-like" in text
 
 
 @pytest.mark.parametrize("args, message", [

@@ -53,3 +53,20 @@ def test_a_pattern_matching_nothing_is_an_error(per_tensor, message):
 def test_bad_entries_name_themselves(per_tensor, message):
     with pytest.raises(ValueError, match=message):
         Tolerance(per_tensor=per_tensor)
+
+
+def test_the_headline_says_what_failed():
+    """Plans DIFFERENT with the values within tolerance: the first line says FAILED and why, not
+    "parity ok" above a body that contradicts it (and the assertion raises with it)."""
+    torch_run, jax_run = _runs(0.0)
+    other_plan = SideRun("jax", 0, jax_run.losses, jax_run.params, "g", 0.0)
+    report = compare(torch_run, other_plan)
+    assert report.ok and not report.plans_match  # the values agree: only the plans differ
+    assert report.summary().splitlines()[0] == "parity FAILED (the bucket plans differ): jax against torch, steps 0..1"
+    with pytest.raises(AssertionError, match=r"^parity FAILED \(the bucket plans differ\)"):
+        assert_parity(report)
+    assert_parity(report, plans=False)  # told to skip the plans; the report still says what it saw
+    torch_run, jax_run = _runs(1e-3)
+    worse = compare(torch_run, SideRun("jax", 0, (1.0, 0.95), jax_run.params, "g", 0.0))
+    assert worse.headline == "parity FAILED (losses from step 1; 1 of 2 tensors; the bucket plans differ)"
+    assert compare(*_runs(0.0)).headline == "parity ok"

@@ -32,6 +32,10 @@ MODES = {
     "zero1": (1, "die", "ZeroRedundancyOptimizer.step: the broadcast of rank 1's parameters failed"),
     "zero1-bucket-view": (1, "die", "ZeroRedundancyOptimizer.step: the broadcast of rank 1's parameters failed"),
     "zero1-stall": (1, "stall", "ZeroRedundancyOptimizer.step: the broadcast of rank 1's parameters failed"),
+    # the victim dies before its step: the survivor's step fails in its first collective, the
+    # cross-rank check of the parameter groups; a dead peer is said first, no misuse guessed
+    "zero1-dead-before-step": (1, "exit", "ZeroRedundancyOptimizer.step: the cross-rank check of the parameter "
+                                          "groups failed (a peer died"),
     "zero2": (1, "die", "ZeRO2.step: the broadcast of rank "),  # rank 0's own send may fail first
     # the victim dies before its backward: the survivor's gradient reduction in ZeRO2's comm hook
     "zero2-comm-hook": (1, "exit", "ZeRO2 (DDP comm hook): the all-reduce of gradient bucket 0 failed"),
@@ -103,6 +107,8 @@ def test_peer_fault_raises_naming_the_collective(mode):
         assert procs[victim].exitcode == 17
     assert expected in outcome, outcome
     assert "a peer died or stalled past the process group's timeout" in outcome, outcome
+    if "add_param_group" in outcome:  # what happened comes first, a guess at why after it
+        assert outcome.index("a peer died") < outcome.index("add_param_group"), outcome
     assert seconds < 2 * TIMEOUT_S, f"the survivor took {seconds:.1f} s to raise: {outcome}"
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from hybrid.core import BucketPlan
 from hybrid.checkpoint._files import write_shard
 from hybrid.checkpoint._manifest import FileEntry, Manifest, OptimizerInfo
-from hybrid.checkpoint._protocol import begin_save, commit_save, staging
+from hybrid.checkpoint._protocol import abandon_save, begin_save, commit_save, staging
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors
 
 PREFIX = "hybrid.checkpoint"
@@ -170,6 +170,8 @@ def save_across_processes(path: str | os.PathLike, body: Manifest, ranks: list[i
                                  ranks))
     except BaseException as e:
         agree.fail("done" if me == 0 else f"files/{me}", e)  # where the others wait for this process
+        for rank in [None] if me == 0 else ranks:  # process 0 began the save: it removes the whole staging
+            abandon_save(path, own_rank=rank)
         raise
     entries = [e.to_json() for e in mine]
     if me != 0:
@@ -192,6 +194,7 @@ def save_across_processes(path: str | os.PathLike, body: Manifest, ranks: list[i
         commit_save(path, manifest)
     except BaseException as e:
         agree.fail("done", e)
+        abandon_save(path)  # nothing committed (or it is, and there is nothing staged left)
         raise
     agree.post("done", {"files": [f.to_json() for f in files]})
     agree.forget_previous()

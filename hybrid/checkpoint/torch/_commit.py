@@ -5,13 +5,14 @@ checkpoint. A peer that dies or stalls in any of it becomes an error naming the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch.distributed as dist
 
 from hybrid.checkpoint._files import write_shard
 from hybrid.checkpoint._manifest import Manifest
-from hybrid.checkpoint._protocol import commit_save, remove_previous_part
+from hybrid.checkpoint._protocol import abandon_save, commit_save, remove_previous_part
 
 
 def named_collective(path, what: str, fn, *args, **kwargs):
@@ -22,6 +23,18 @@ def named_collective(path, what: str, fn, *args, **kwargs):
         raise RuntimeError(f"saving checkpoint {path}: rank {dist.get_rank()} failed in {what} (a peer died, "
                            f"stalled past the process group's timeout, or left); the previous checkpoint at "
                            f"this path is untouched. Cause: {e}") from e
+
+
+@contextlib.contextmanager
+def abandoned_on_failure(path, rank: int):
+    """A distributed save from ``begin_save`` (rank 0) to its commit: if it fails on a rank, that
+    rank removes what it staged (rank 0, which began the save, the whole staging directory), so
+    a failed save leaves no ``.NAME.saving`` behind where any rank lives to clean it."""
+    try:
+        yield
+    except BaseException:
+        abandon_save(path, own_rank=None if rank == 0 else rank)
+        raise
 
 
 def write_and_commit(path, body: Manifest, tensors: dict, rank: int, world_size: int, group) -> Manifest | None:

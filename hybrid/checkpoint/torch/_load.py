@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from hybrid.checkpoint._files import Checkpoint
+from hybrid.core import BucketPlan
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint.torch._state import (
-    TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap, expected_slots,
-    kept_states, named_buffers, named_parameters, param_names_by_group)
+    DDP_PLAN_KEY, TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap,
+    expected_slots, kept_states, named_buffers, named_parameters, param_names_by_group)
 
 _NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")
 
@@ -86,11 +87,13 @@ def torch_states(ckpt: Checkpoint, info: OptimizerInfo, likes: list[torch.Tensor
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, scheduler=None,
-         hyperparameters: str = "checkpoint", buffers: bool = True) -> int:
+         hyperparameters: str = "checkpoint", buffers: bool = True, restore_buckets: bool = False) -> int:
     """Load a checkpoint (saved by either frontend, at any world size) into ``module``,
     ``optimizer`` and ``scheduler``, as torch's ``load_state_dict`` calls would; returns the saved step.
 
-    Every file is checked (size, SHA-256, contents, the manifest they were written for) and every
+    Every file is checked (its size; an XXH3-128 checksum of its header, which holds an XXH3-128
+    checksum of each chunk of its data, checked as the chunk is read; format 1-2 checkpoints: the
+    whole file's SHA-256; the manifest it was written for) and every
     tensor and buffer matched to the model by name, shape and dtype before anything changes: a bad
     checkpoint raises :class:`~hybrid.checkpoint.CheckpointError` naming the file and leaves the
     model, optimizer and scheduler as they were. Call it on every rank (it reads files, it does
@@ -103,6 +106,15 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
         ``"optimizer"``: keep those the receiving optimizer was built with.
       buffers: restore the module's persistent buffers (BatchNorm statistics); False keeps the
         module's own (e.g. a checkpoint saved without them).
+      restore_buckets: hybrid's, opt-in. ``module`` is a ``hybrid.torch.DistributedDataParallel``
+        and takes the rebuilt bucket plan of the DDP that saved the checkpoint, so the first step
+        after the resume reduces in the same buckets as the uninterrupted run: the resume is then
+        bit for bit at any world size. By default (torch's behaviour) a fresh DDP reduces its first
+        step in one bucket per dtype and rebuilds at its second; a ring all-reduce sums an element
+        in an order that depends on its place in the bucket, so at 3 ranks and more that step is
+        rounded differently (about 1e-7). Needs a checkpoint saved by hybrid's DDP after its
+        rebuild, and a DDP built with the same bucket caps, ``find_unused_parameters`` and
+        ``static_graph`` (each checked before anything changes).
 
     >>> import torch, tempfile, os
     >>> from hybrid.checkpoint.torch import save
@@ -117,6 +129,9 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
     if hyperparameters not in ("checkpoint", "optimizer"):
         raise ValueError(f"load: hyperparameters={hyperparameters!r}; expected 'checkpoint' (restore the saved "
                          f"ones, as torch does) or 'optimizer' (keep the optimizer's own)")
+    if restore_buckets and _is_zero3(module):
+        raise TypeError("load(restore_buckets=True) restores hybrid.torch.DistributedDataParallel's buckets; "
+                        "ZeRO3 plans its buckets once, from the module (nothing to restore)")
     if _is_zero3(module):  # each rank reads the elements of its own slices
         from hybrid.checkpoint.torch._zero3 import load_zero3
         return load_zero3(path, module, optimizer, scheduler=scheduler, hyperparameters=hyperparameters,
@@ -134,6 +149,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
         ckpt.check_buffers({n: tuple(b.shape) for n, b in named_bufs}, what=what)
     if scheduler is not None and "scheduler" not in ckpt.manifest.run_state:
         raise CheckpointError(f"{ckpt.path}: holds no LR scheduler state (saved without scheduler=)")
+    plan = saved_ddp_plan(ckpt, module) if restore_buckets else None
     ckpt.verify()
     params = ckpt.tensors("params")
     new_params = [_torch(params[n], p) for n, p in named]
@@ -152,7 +168,36 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer=None, *, schedule
             b.copy_(value)
     if scheduler is not None:
         scheduler.load_state_dict(ckpt.manifest.run_state["scheduler"])
+    if plan is not None:
+        module._restore_rebuilt_plan(plan)
     return ckpt.manifest.step
+
+
+def saved_ddp_plan(ckpt: Checkpoint, module: nn.Module) -> BucketPlan:
+    """The rebuilt bucket plan the checkpoint recorded, once it is known to fit ``module``."""
+    from hybrid.torch import DistributedDataParallel
+    if not isinstance(module, DistributedDataParallel):
+        raise TypeError(f"load(restore_buckets=True) restores hybrid.torch.DistributedDataParallel's buckets; "
+                        f"got a {type(module).__name__}")
+    saved = ckpt.manifest.run_state.get(DDP_PLAN_KEY)
+    if saved is None:
+        raise CheckpointError(f"{ckpt.path}: records no rebuilt DDP bucket plan (saved before the DDP's first "
+                              f"rebuild, from a plain module, ZeRO3 or JAX, or by an older hybrid): load without "
+                              f"restore_buckets")
+    for key, value in saved["settings"].items():
+        if module._layout_settings.get(key) != value:
+            raise CheckpointError(f"{ckpt.path}: was saved from a DDP with {key}={value!r}, this one has "
+                                  f"{module._layout_settings.get(key)!r}: the buckets would differ; build the DDP "
+                                  f"as the saving run did, or load without restore_buckets")
+    if module.find_unused_parameters and not module.static_graph:
+        raise CheckpointError("restore_buckets: this DDP never rebuilds its buckets (find_unused_parameters=True "
+                              "without static_graph), so there is no rebuilt plan to restore")
+    plan = BucketPlan.from_json(saved["plan"])
+    described = lambda specs: [(s.name, s.shape, s.dtype) for s in specs]  # noqa: E731
+    if described(plan.specs) != described(module.bucket_plan.specs):
+        raise CheckpointError(f"{ckpt.path}: its DDP bucket plan is over other tensors than this DDP's (another "
+                              f"model, or parameters renamed or re-typed)")
+    return plan
 
 
 def _restored_groups(ckpt: Checkpoint, optimizer, group_names: list[list[str]]) -> list[dict]:

@@ -20,11 +20,12 @@ from hybrid.checkpoint._files import storage_dtype
 from hybrid.checkpoint._protocol import begin_save
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
-from hybrid.checkpoint.torch._commit import named_collective, write_and_commit
+from hybrid.checkpoint.torch._commit import abandoned_on_failure, named_collective, write_and_commit
 from hybrid.checkpoint.torch._zero3 import save_zero3
 from hybrid.checkpoint.torch._state import (
-    _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3, _local_states, _numpy,
-    _slots_and_count, _specs, expected_slots, named_buffers, named_parameters, optimizer_info)
+    DDP_PLAN_KEY, _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3,
+    _local_states, _numpy, _slots_and_count, _specs, ddp_buckets, expected_slots, named_buffers, named_parameters,
+    optimizer_info)
 
 def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: int, process_group=None,
          world_size: int | None = None, scheduler=None, state: dict | None = None,
@@ -76,6 +77,9 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
         raise ValueError(f"save: world_size={world_size} given, but the process group has "
                          f"{dist.get_world_size(process_group)} ranks; each rank writes its own file")
     run_state = _run_state(scheduler, state)
+    buckets = ddp_buckets(module)
+    if buckets is not None:  # for load(..., restore_buckets=True)
+        run_state[DDP_PLAN_KEY] = buckets
     states, complete = _local_states(optimizer) if optimizer is not None else ({}, True)
     slots, counts = _slots_and_count(named, states)
     describe = None if optimizer is None else _describer(optimizer, named, name_of, step)
@@ -87,8 +91,9 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
         info = describe(counts, {s: set(v) for s, v in slots.items()}) if describe else None
         return save_arrays(path, params, world_size=world_size or 1, step=step, slots=_fill_slots(params, slots, info),
                            optimizer=info, plan=plan, stage=stage, framework="torch", **extras)
-    return _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, process_group,
-                             extras)
+    with abandoned_on_failure(path, dist.get_rank(process_group)):
+        return _save_distributed(path, params, slots, counts, describe, complete, plan, step, stage, process_group,
+                                 extras)
 
 
 def _describer(optimizer, named, name_of, step):

@@ -37,6 +37,18 @@ def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return _reduced_parameters(_unwrap(module))
 
 
+DDP_PLAN_KEY = "ddp_buckets"  # run_state: the rebuilt bucket plan of hybrid's DDP, and what decided it
+
+
+def ddp_buckets(module: nn.Module) -> dict | None:
+    """What a resume needs to reduce in the saving DDP's buckets: its rebuilt plan and layout
+    settings, for ``run_state``; None unless ``module`` is hybrid's DDP after its rebuild."""
+    from hybrid.torch import DistributedDataParallel
+    if not isinstance(module, DistributedDataParallel) or not getattr(module, "_has_rebuilt", False):
+        return None
+    return {"plan": module.bucket_plan.to_json(), "settings": dict(module._layout_settings)}
+
+
 def _specs(named) -> list[TensorSpec]:
     # Devices are left out: a checkpoint is the same whichever GPU each rank saved it from.
     return [TensorSpec(n, tuple(p.shape), canonical_dtype(p.dtype)) for n, p in named]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hybrid.checkpoint._files import Checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._protocol import begin_save
-from hybrid.checkpoint.torch._commit import named_collective, write_and_commit
+from hybrid.checkpoint.torch._commit import abandoned_on_failure, named_collective, write_and_commit
 from hybrid.checkpoint.torch._state import (
     _NAME_OF_CLASS, SLOT_OF_TORCH_KEY, TORCH_KEY_OF_SLOT, _hyperparameters, _inner, expected_slots, named_buffers,
     optimizer_info)
@@ -100,13 +100,14 @@ def save_zero3(path: str | os.PathLike, model, optimizer, *, step: int, extras: 
         kinds += list(info.slots)
     buffer_meta, buffer_tensors = buffer_entries(extras["buffers"])
     # The save protocol of hybrid.checkpoint.torch.save's distributed path, with this rank's slices.
-    if rank == 0:
-        begin_save(path)
-    named_collective(path, "the barrier after the staging directory", dist.barrier, group=group)
     body = Manifest("torch", world_size, 3, int(step), plan, info, dtypes_of(plan, kinds), (),
                     dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])
-    return write_and_commit(path, body, {**tensors, **buffer_tensors} if rank == 0 else tensors, rank, world_size,
-                            group)
+    with abandoned_on_failure(path, rank):
+        if rank == 0:
+            begin_save(path)
+        named_collective(path, "the barrier after the staging directory", dist.barrier, group=group)
+        return write_and_commit(path, body, {**tensors, **buffer_tensors} if rank == 0 else tensors, rank,
+                                world_size, group)
 
 
 def load_zero3(path: str | os.PathLike, model, optimizer, *, scheduler, hyperparameters: str, buffers: bool) -> int:

@@ -57,8 +57,10 @@ class Rule:
       grads_together: torch computes the gradients of this tensor's module in one backward node and
         accumulates them in registration order (a convolution, a norm: weight before bias), where
         JAX's backward computes them apart (the bias's sum first). The gradient-ready order
-        (:func:`torch_ready_order`) needs to know; a Linear's bias is ready before its weight in
-        both frameworks.
+        (:meth:`ParamPairing.torch_ready_order`) needs to know where no torch step was observed;
+        a Linear's bias is ready before its weight in both frameworks. ``None`` (the default)
+        says neither: a norm-like module (a 1-D weight and a bias of its shape) counts as
+        together, anything else not. ``False`` overrides that.
 
     >>> rule = Rule("{module}.w", "{module}.weight", Layout.transpose(1, 0), name="my Dense")
     >>> rule.match("enc.proj.w", 2)
@@ -70,7 +72,7 @@ class Rule:
     layout: Layout = Layout()
     ndim: int | None = None
     name: str = ""
-    grads_together: bool = False
+    grads_together: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.layout, Layout):
@@ -97,7 +99,7 @@ class Rule:
     @classmethod
     def from_json(cls, d: dict) -> "Rule":
         return cls(d["jax"], d["torch"], Layout.from_json(d["layout"]), d.get("ndim"), d.get("name", ""),
-                   d.get("grads_together", False))
+                   d.get("grads_together"))
 
 
 # flax's own modules against torch's. A Conv kernel is (*spatial, in / groups, out), torch's

@@ -45,7 +45,8 @@ def errors_message(errors: list[str], what: str) -> str:
 class Pair:
     """One tensor on both sides: JAX name and shape, torch name and shape, the layout between
     them (JAX to torch), the rule that placed it (for messages and the plan inspector), and
-    whether torch computes its module's gradients in one backward node (``Rule.grads_together``)."""
+    whether torch computes its module's gradients in one backward node (``Rule.grads_together``:
+    None leaves it to :meth:`ParamPairing.torch_ready_order`, which says yes for norm-like modules)."""
 
     jax: str
     torch: str
@@ -53,7 +54,7 @@ class Pair:
     jax_shape: tuple[int, ...]
     torch_shape: tuple[int, ...]
     rule: str = ""
-    grads_together: bool = False
+    grads_together: bool | None = None
 
     def to_json(self) -> dict:
         return {"jax": self.jax, "torch": self.torch, "layout": self.layout.to_json(),
@@ -63,7 +64,7 @@ class Pair:
     @classmethod
     def from_json(cls, d: dict) -> "Pair":
         return cls(d["jax"], d["torch"], Layout.from_json(d["layout"]), tuple(d["jax_shape"]),
-                   tuple(d["torch_shape"]), d.get("rule", ""), d.get("grads_together", False))
+                   tuple(d["torch_shape"]), d.get("rule", ""), d.get("grads_together"))
 
 
 def _host(x) -> np.ndarray:
@@ -79,6 +80,9 @@ class ParamPairing:
       tied: ``(alias, source)`` torch names: ``alias`` is the same tensor as ``source`` (an LM head
         tied to the token embedding). torch's ``named_parameters()`` lists it once, its
         ``state_dict()`` under both names; the JAX tree holds it once.
+      torch_ready: torch's names in the order torch's own backward made their gradients ready, as
+        observed on one step (:func:`hybrid.torch.gradient_ready_order`; :meth:`with_torch_ready`);
+        empty where no torch step was observed, and :meth:`torch_ready_order` infers the order.
 
     >>> from hybrid.core import ParamMapping
     >>> pairing = ParamMapping.flax().pair({"fc.kernel": (3, 5), "fc.bias": (5,)})
@@ -90,10 +94,12 @@ class ParamPairing:
 
     pairs: tuple[Pair, ...]
     tied: tuple[tuple[str, str], ...] = ()
+    torch_ready: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "pairs", tuple(self.pairs))
         object.__setattr__(self, "tied", tuple((str(a), str(s)) for a, s in self.tied))
+        object.__setattr__(self, "torch_ready", tuple(str(n) for n in self.torch_ready))
         for side in ("jax", "torch"):
             names = [getattr(p, side) for p in self.pairs]
             if len(set(names)) != len(names):
@@ -106,6 +112,10 @@ class ParamPairing:
                                    f"({nearest(source, torch_names)})")
             if alias in torch_names:
                 raise MappingError(f"tied {alias!r} -> {source!r}: {alias!r} is a tensor of its own in the pairing")
+        unknown = [n for n in self.torch_ready if n not in torch_names]
+        if unknown or len(set(self.torch_ready)) != len(self.torch_ready):
+            raise MappingError(f"torch_ready must name torch tensors of the pairing at most once; unknown: "
+                               f"{[f'{n} ({nearest(n, torch_names)})' for n in unknown]}")
 
     @property
     def jax_names(self) -> tuple[str, ...]:
@@ -178,8 +188,10 @@ class ParamPairing:
         return out
 
     def to_json(self) -> dict:
-        return {"kind": "ParamPairing", "pairs": [p.to_json() for p in self.pairs],
-                "tied": [list(t) for t in self.tied]}
+        out = {"kind": "ParamPairing", "pairs": [p.to_json() for p in self.pairs], "tied": [list(t) for t in self.tied]}
+        if self.torch_ready:  # written only where observed: pairings without one keep their fingerprints
+            out["torch_ready"] = list(self.torch_ready)
+        return out
 
     def dumps(self) -> str:
         return json.dumps(self.to_json())
@@ -190,23 +202,72 @@ class ParamPairing:
             d = json.loads(d)
         if d.get("kind") != "ParamPairing":
             raise ValueError(f"not a ParamPairing JSON object (kind={d.get('kind')!r})")
-        return cls(tuple(Pair.from_json(p) for p in d["pairs"]), tuple(tuple(t) for t in d.get("tied", ())))
+        return cls(tuple(Pair.from_json(p) for p in d["pairs"]), tuple(tuple(t) for t in d.get("tied", ())),
+                   tuple(d.get("torch_ready", ())))
 
     def fingerprint(self) -> str:
         """Stable 16-hex-digit digest: equal pairings give equal strings in every process."""
         return fingerprint_of(self.to_json())
 
+    def with_torch_ready(self, order: Sequence[str]) -> "ParamPairing":
+        """This pairing, planning in ``order``: torch's names as torch's own backward made their
+        gradients ready (:func:`hybrid.torch.gradient_ready_order` of the torch module on a batch).
+
+        Where the torch half is at hand this is the truth :meth:`torch_ready_order` otherwise
+        infers from JAX's backward and the rules. A tied alias counts as its source (torch's
+        ``named_parameters()`` lists the source).
+
+        >>> from hybrid.core import ParamMapping
+        >>> pairing = ParamMapping.flax().pair({"fc.kernel": (4, 2), "fc.bias": (2,)})
+        >>> pairing.with_torch_ready(["fc.weight", "fc.bias"]).torch_ready_order(["fc.bias", "fc.kernel"])
+        ('fc.weight', 'fc.bias')
+        """
+        tied = dict(self.tied)
+        return dataclasses.replace(self, torch_ready=tuple(tied.get(n, n) for n in order))
+
+    def computed_together(self) -> dict[str, str]:
+        """``{torch module: why}`` for each module whose gradients torch computes in one backward
+        node and accumulates in registration order (weight before bias), where JAX's backward
+        computes them apart: ``"rule"`` where a rule says so (``grads_together=True``), ``"norm-like"``
+        where no rule says either way and the module holds exactly a 1-D ``weight`` and a ``bias`` of
+        its shape (LayerNorm, GroupNorm, BatchNorm, RMSNorm with a bias: their backward nodes
+        compute both at once).
+
+        >>> from hybrid.core import ParamMapping, Rule
+        >>> mine = ParamMapping((Rule("{m}.g", "{m}.weight"), Rule("{m}.b", "{m}.bias")))  # no grads_together
+        >>> mine.pair({"ln1.g": (8,), "ln1.b": (8,)}).computed_together()
+        {'ln1': 'norm-like'}
+        """
+        out = {}
+        for module, pairs in self._modules().items():
+            said = {p.grads_together for p in pairs} - {None}
+            if True in said:
+                out[module] = "rule"
+            elif not said and _norm_like(pairs):
+                out[module] = "norm-like"
+        return out
+
+    def _modules(self) -> dict[str, list[Pair]]:
+        modules: dict[str, list[Pair]] = {}
+        for p in self.pairs:  # torch's registration order within each module
+            modules.setdefault(p.torch.rpartition(".")[0], []).append(p)
+        return modules
+
     def torch_ready_order(self, jax_ready: Sequence[str]) -> tuple[str, ...]:
         """torch's names in the order torch's autograd makes their gradients ready, from the order
         JAX's backward computes them (:func:`hybrid.jax.gradient_ready_order`).
 
-        The two backward passes walk the modules in the same order; inside one module they can
-        differ. torch accumulates the gradients a single backward node computes in the node's
-        argument order, and its convolutions and norms compute weight and bias in one node
-        (weight first), where JAX's backward sums the bias's gradient before the weight's. So
-        the tensors of a module placed by a ``grads_together`` rule are emitted together, in
-        torch's registration order, where the module's first gradient is ready in JAX. A Linear's
-        bias is ready before its weight in both (torch reaches the weight through a transpose).
+        Where torch's own order was observed (:meth:`with_torch_ready`) it is that order, over the
+        tensors JAX computes gradients for (any that torch's step left without one follow, as
+        below). Otherwise it is inferred: the two backward passes walk the modules in the same
+        order; inside one module they can differ. torch accumulates the gradients a single
+        backward node computes in the node's argument order, and its convolutions and norms
+        compute weight and bias in one node (weight first), where JAX's backward sums the bias's
+        gradient before the weight's. So the tensors of a module :meth:`computed_together` names
+        (a ``grads_together`` rule, or a norm-like module no rule speaks for) are emitted
+        together, in torch's registration order, where the module's first gradient is ready in
+        JAX. A Linear's bias is ready before its weight in both (torch reaches the weight through
+        a transpose).
 
         >>> from hybrid.core import ParamMapping
         >>> pairing = ParamMapping.flax().pair({"ln.scale": (4,), "ln.bias": (4,), "fc.kernel": (4, 2), "fc.bias": (2,)},
@@ -220,17 +281,21 @@ class ParamPairing:
         if unknown or len(set(jax_ready)) != len(jax_ready):
             raise MappingError(f"jax_ready must name tensors of the pairing at most once; unknown: "
                                f"{[f'{n} ({nearest(n, list(by_jax))})' for n in unknown]}")
-        modules: dict[str, list[Pair]] = {}
-        for p in self.pairs:  # torch's registration order within each module
-            modules.setdefault(p.torch.rpartition(".")[0], []).append(p)
-        out, done = [], set()
+        wanted = {by_jax[n].torch for n in jax_ready}
+        out = [n for n in self.torch_ready if n in wanted]
+        done = set(out)
+        modules, together = self._modules(), self.computed_together()
         for name in jax_ready:
             p = by_jax[name]
-            module = modules[p.torch.rpartition(".")[0]]
-            together = [q for q in module if q.grads_together and q.jax in jax_ready] and [
-                q for q in module if q.jax in jax_ready]
-            for q in together or [p]:
+            module = p.torch.rpartition(".")[0]
+            for q in [q for q in modules[module] if q.jax in jax_ready] if module in together else [p]:
                 if q.torch not in done:
                     done.add(q.torch)
                     out.append(q.torch)
         return tuple(out)
+
+
+def _norm_like(pairs: list[Pair]) -> bool:
+    """A module of exactly a 1-D ``weight`` and a ``bias`` of the same shape (torch's names)."""
+    shapes = {p.torch.rpartition(".")[2]: p.torch_shape for p in pairs}
+    return set(shapes) == {"weight", "bias"} and len(shapes["weight"]) == 1 and shapes["weight"] == shapes["bias"]

@@ -22,8 +22,10 @@ _TRUST_RATIO = ("{} scales each leaf by a trust ratio, ||param|| / ||update|| of
                 "zero, or keep {} unsharded: optax.chain(hybrid.jax.bucketed_all_reduce(axis), optax.{}(...)).")
 # What to do instead, by culprit (the key None for the rest).
 _ADVICE = {
-    "clip_by_global_norm": "For global-norm clipping use hybrid.jax.clip_by_global_norm(max_norm, axis) "
-                           "inside zero: it sums the shards' squared norms over the axis.",
+    "clip_by_global_norm": "zero rewrites optax.clip_by_global_norm to its axis-aware twin only in a chain or "
+                           "named chain it wraps, not behind inject_hyperparams, MultiSteps or a mask: move the "
+                           "clip into such a chain, or write hybrid.jax.clip_by_global_norm(max_norm, axis) there "
+                           "(it sums the shards' squared norms over the axis).",
     "scale_by_trust_ratio": _TRUST_RATIO.format("LAMB (scale_by_trust_ratio)", "lamb", "lamb"),
     "scale_by_lars": _TRUST_RATIO.format("LARS (scale_by_lars)", "lars", "lars"),
     "apply_if_finite": "For skipping non-finite steps use " + GLOBAL_DECISIONS["apply_if_finite"] + ".",

@@ -14,6 +14,7 @@ from hybrid.jax._elementwise import NON_ELEMENTWISE
 from hybrid.jax.sharded._on_shards import on_shards
 from hybrid.jax.sharded._params import local_slices
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device
+from hybrid.jax.sharded._axis_aware import axis_aware
 from hybrid.jax.sharded._zero3 import zero3
 from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, shard_key
 
@@ -49,22 +50,25 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     ``copy_backend`` go to ``shard_params`` instead (given here at stage 3, a ValueError).
     Its state is the stage-2 state of the same plan (see docs/jax.md, "ZeRO-3").
 
-    Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...), for
-    :func:`hybrid.jax.clip_by_global_norm`, and for weight-decay masks and param groups
-    (``optax.masked``, ``adamw(mask=...)``, ``add_decayed_weights(mask=...)``,
-    ``optax.partition`` / ``multi_transform``, in chains): ``zero`` rewrites them per element of
-    its flat slices (``hybrid.jax.sharded._masks``; a masked transform keeps state for the whole slice).
-    Known non-elementwise optax transforms (``NON_ELEMENTWISE``: ``optax.clip_by_global_norm``,
-    trust ratios, factored second moments ...), also inside ``inject_hyperparams``,
-    ``MultiSteps`` and chains, and masks behind such wrappers raise a ValueError unless
+    Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...), for global-norm
+    clipping, and for weight-decay masks and param groups (``optax.masked``,
+    ``adamw(mask=...)``, ``add_decayed_weights(mask=...)``, ``optax.partition`` /
+    ``multi_transform``, in chains): ``zero`` rewrites masks per element of its flat slices
+    (``hybrid.jax.sharded._masks``; a masked transform keeps state for the whole slice), and an
+    ``optax.clip_by_global_norm`` in a chain or named chain to its axis-aware twin,
+    :func:`hybrid.jax.clip_by_global_norm` (``hybrid.jax.sharded._axis_aware``). So an existing
+    optax chain wrapped whole, ``zero(optax.chain(optax.clip_by_global_norm(c), adamw), "dp")``,
+    gives the unsharded result. Known non-elementwise optax transforms (``NON_ELEMENTWISE``:
+    trust ratios, factored second moments ...; a global-norm clip behind ``inject_hyperparams``,
+    ``MultiSteps`` or a mask), and masks behind such wrappers raise a ValueError unless
     ``check_elementwise=False``, as do ``optax.apply_if_finite`` (use
     :func:`hybrid.jax.apply_if_finite`) and any transform that a small probe finds
     non-elementwise (see ``hybrid.jax._elementwise``).
 
-    The first mistake, which no check can see: clipping *before* ``zero``,
+    The one mistake no check can see: clipping *before* ``zero``,
     ``optax.chain(optax.clip_by_global_norm(c), zero(adamw, "dp"))``, clips each device's own
-    gradient (zero reduces after it). Clip inside:
-    ``zero(optax.chain(hybrid.jax.clip_by_global_norm(c, "dp"), adamw), "dp")``.
+    gradient (zero reduces after it). Wrap the whole chain instead:
+    ``zero(optax.chain(optax.clip_by_global_norm(c), adamw), "dp")``.
 
     Args:
       inner: any optax transform.
@@ -94,6 +98,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    inner = axis_aware(inner, axis_name)  # optax.clip_by_global_norm in the chain: its axis-aware twin
     if stage == 3:
         given = {k: v for k, v in dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes,
                                        order=order, copy_backend=copy_backend, ready_order=ready_order,

@@ -76,6 +76,14 @@ class RankAgreement:
         self._set_plan(plan)
         self._has_rebuilt = True
 
+    def _restore_rebuilt_plan(self, plan) -> None:
+        """Take ``plan``, a rebuilt plan a checkpoint recorded, as this DDP's rebuilt plan: no
+        rebuild follows, so the first step reduces in the saving run's buckets
+        (``hybrid.checkpoint.torch.load(..., restore_buckets=True)``; every rank reads the same
+        manifest, so the ranks agree without a collective)."""
+        self._set_plan(plan)
+        self._has_rebuilt = True
+
     def _sync_module_states(self, src: int) -> None:
         """torch's _sync_module_states: parameters (and buffers) from ``src`` to every rank."""
         if self._world == 1:

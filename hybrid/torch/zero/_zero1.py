@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from hybrid.core import ParamPartition, partition_params, plan_buckets
 from hybrid.torch._flat import params_into_flat
 from hybrid.torch.zero._zero1_state import ConsolidatedState
-from hybrid.torch._collectives import collective_failed, wait_all
+from hybrid.torch._collectives import collective_failed, peer_gone, wait_all
 from hybrid.torch.zero._parts import _check_params, _check_same_dense_type, _spec, _sync_param_groups
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -191,16 +191,23 @@ class ZeroRedundancyOptimizer(ConsolidatedState, Optimizer, Joinable):
         try:
             dist.all_reduce(table, group=self.process_group)
         except RuntimeError as e:
-            if phase == _ADD:
+            # What happened comes first: a peer that went away is named as such. Only a wait that
+            # ran out can be add_param_group called on one rank (the others never join its check;
+            # called in step instead, the two checks pair and the phases below tell).
+            if phase == _ADD and not peer_gone(e):
                 raise RuntimeError(
                     f"ZeroRedundancyOptimizer.add_param_group: the other ranks did not join its "
-                    f"cross-rank check within the process group's timeout, or a peer died (called "
-                    f"on rank {self.rank} only? it must be called on every rank, in the same order); "
-                    f"the group was not added: {e}") from e
-            what = ("ZeroRedundancyOptimizer.step: the cross-rank check of the parameter groups "
-                    "(add_param_group called on some ranks only?)" if phase == _STEP else
-                    "ZeroRedundancyOptimizer: the cross-rank check of the partition")
-            raise collective_failed(what, e) from e
+                    f"cross-rank check within the process group's timeout (called on rank {self.rank} "
+                    f"only? it must be called on every rank, in the same order); the group was not "
+                    f"added: {e}") from e
+            what = {_ADD: "ZeroRedundancyOptimizer.add_param_group (the group was not added): its cross-rank check",
+                    _STEP: "ZeroRedundancyOptimizer.step: the cross-rank check of the parameter groups"}.get(
+                phase, "ZeroRedundancyOptimizer: the cross-rank check of the partition")
+            failed = collective_failed(what, e)
+            if phase == _STEP:  # a peer that left on an error of its own: that error says which
+                failed = RuntimeError(f"{failed}. Nothing was stepped. If that peer raised rather than crashed, "
+                                      f"its error names the cause (add_param_group called on it alone fails there)")
+            raise failed from e
         rows = table.tolist()
         if len({row[2] for row in rows}) > 1:
             calls = {}
