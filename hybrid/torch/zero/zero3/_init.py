@@ -18,6 +18,11 @@ For torch's own layers (``reset_parameters`` is what their constructors call), a
 in the same order gives the same values. A tensor written by two units (a tied weight) ends with
 the last write, as in that loop; a later unit may overwrite a finished tensor but not read it.
 
+A unit is what its initialiser touches: one that initialises its children too (torchtitan's
+``init_weights`` calling its blocks') materialises them with it, so an initialiser that recurses
+through the whole model makes the whole model one unit. Give ``init_fn`` one module's own tensors
+at a time to keep a unit small.
+
 Every tensor a unit should set is checked to have been written (an in-place op on its memory: the
 ``nn.init`` functions, ``copy_``, ``fill_``, ...); one that was not, or a module holding meta tensors
 and no initialiser, is refused naming the tensor and the fix.

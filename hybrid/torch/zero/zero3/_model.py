@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -44,6 +45,18 @@ def _owners(module: nn.Module, index_of: dict[int, int]) -> list[int]:
             if p is not None and id(p) in index_of:
                 owner.setdefault(index_of[id(p)], k)
     return [owner[i] for i in range(len(index_of))]
+
+
+def _weakly(obj: Any, method: str) -> Callable:
+    """``obj.method`` through a weak reference: the parts a ZeRO3 model builds call back into it
+    without keeping it alive (a cycle would keep a dropped model, and its memory, until the garbage
+    collector runs). Once it is gone the call returns None."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        alive = ref()
+        return None if alive is None else getattr(alive, method)(*args)
+    return call
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -188,13 +201,15 @@ class ZeRO3(nn.Module):
                                      slices=slices, device=where if meta else None)
         for i, (p, name) in enumerate(zip(self._params, self._names)):
             # Its values now live in the slices; a read while a forward runs computes with them.
-            ParameterInShards.convert(p, name, functools.partial(self._read, i), device=where if meta else None)
+            ParameterInShards.convert(p, name, functools.partial(_weakly(self, "_read"), i),
+                                      device=where if meta else None)
         self._grads = GradReducer(self._buckets.work, self._names, self._params, self.shards, self.rank,
                                   group=process_group, reduce_dtype=reduce_dtype, flat_collectives=flat,
-                                  on_bucket_done=self._bucket_done, working=self._working, guard=self._guard)
+                                  on_bucket_done=_weakly(self, "_bucket_done"), working=self._working,
+                                  guard=self._guard)
         self._schedule = Schedule(module, self.bucket_plan, self._index_of, self._buckets, self._grads,
                                   prefetch=prefetch, reshard_after_forward=self.reshard_after_forward,
-                                  declared=declared, on_implicit_forward=self._begin_implicit_forward,
+                                  declared=declared, on_implicit_forward=_weakly(self, "_begin_implicit_forward"),
                                   keep_for_backward=policy == "speed")
         self._sync_buffers()
 
