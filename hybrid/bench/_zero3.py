@@ -1,17 +1,18 @@
 """The stage-3 part of ``python -m hybrid bench zero``: memory and step time of ZeRO-3 beside DDP,
 FSDP2 and hybrid's ZeRO-1 and ZeRO-2, on two models, at 2 and 3 gloo ranks.
 
-Models: the 8M-parameter MLP of the ZeRO-1/2 part, and 100 small layers (``Linear(128, 128)`` +
-tanh each: 1.65M parameters), where per-layer communication costs the most. Variants, each a
-full training step (forward, backward, optimizer step, zero_grad) with Adam:
+Models: the 8M-parameter MLP of the ZeRO-1/2 part, 100 small layers (``Linear(128, 128)`` + tanh
+each: 1.65M parameters), where per-layer communication costs the most, and 100 ``Linear(32, 32)``
+(the smallest layers, issue 36's memory comparison). Variants, each a full training step
+(forward, backward, optimizer step, zero_grad) with Adam:
 
 - ``ddp_adam``: torch DDP + ``torch.optim.Adam`` (the reference), timed twice per round for the
   A/A row (``ddp_adam'``);
 - ``hybrid_zero1`` / ``hybrid_zero2``: hybrid DDP + ZeroRedundancyOptimizer / ZeRO2;
 - ``hybrid_zero3``: ``hybrid.torch.ZeRO3`` + ``ZeRO3Optimizer``, default plan
   (``hybrid.core.zero3_plan``), prefetch 1, parameters freed after the forward;
-- ``hybrid_zero3_layer``: the same with a bucket per layer (the cap set to the smallest layer's
-  weight), FSDP2's unit of gathering: the memory end of the cap, against FSDP2 at equal working sets;
+- ``hybrid_zero3_memory``: ``ZeRO3(policy="memory")``: a bucket per layer (FSDP2's unit of
+  gathering), nothing kept between forward and backward: the memory-first policy;
 - ``fsdp2``: torch's ``fully_shard`` on every ``Linear`` and on the root, as torch recommends.
 
 Memory is counted by the CPU allocator (``hybrid.bench._live``), per variant right after it is
@@ -35,10 +36,10 @@ from torch import nn
 from hybrid._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
-VARIANTS = ("ddp_adam", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "hybrid_zero3_layer", "fsdp2")
+VARIANTS = ("ddp_adam", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "hybrid_zero3_memory", "fsdp2")
 REFERENCE = "ddp_adam"
 ROUND = (*VARIANTS, REFERENCE + "'")  # rotated every repetition
-MODELS = {"mlp_8M": (1536, 2048, 1024, 1536, 768), "layers_100": (128,) * 101}
+MODELS = {"mlp_8M": (1536, 2048, 1024, 1536, 768), "layers_100": (128,) * 101, "layers_100x32": (32,) * 101}
 QUICK_MODELS = {"mlp_0.5M": (384, 512, 256, 384, 192), "layers_20": (64,) * 21}
 
 
@@ -66,13 +67,8 @@ def build(name: str, widths: tuple[int, ...]):
     if name == "hybrid_zero2":
         ddp = DistributedDataParallel(model)
         return ddp, ZeRO2(ddp, torch.optim.Adam, lr=1e-3), None
-    if name in ("hybrid_zero3", "hybrid_zero3_layer"):
-        cap = None  # the default plan
-        if name == "hybrid_zero3_layer":
-            # A bucket closes on the tensor that fills it, a layer's weight (the plan runs
-            # backwards): a cap of the smallest weight gives every layer its own bucket.
-            cap = min(m.weight.nbytes for m in model if isinstance(m, nn.Linear)) / 2**20
-        zero3 = ZeRO3(model, bucket_cap_mb=cap)
+    if name in ("hybrid_zero3", "hybrid_zero3_memory"):
+        zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed")
         return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3), zero3
     if name == "fsdp2":
         # A CPU mesh, named: without one fully_shard takes the default device's type, and on a machine

@@ -29,6 +29,8 @@ DDP's own communication buckets (full size in every variant, as in torch) are li
 
 Then the stage-3 part (``hybrid.bench._zero3``): ZeRO-3 beside DDP, FSDP2, ZeRO-1 and ZeRO-2 on
 the MLP and on 100 small layers, at 2 and 3 ranks: allocator-counted memory and step times.
+``--part budget`` (``hybrid.bench._zero3_budget``): a model no rank can hold, built on the meta
+device under a per-rank budget, beside FSDP2's meta build, at 2, 3 and 4 ranks, and JAX's stage 3.
 
 With ``--device cuda`` (or ``cpu``) it times GPT training steps instead (GPT-2 small by default,
 float32 and bf16, AdamW): hybrid's ZeRO-1 against torch's ZeroRedundancyOptimizer and ZeRO3
@@ -187,13 +189,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25; --device: 20)")
     parser.add_argument("--widths", type=str, default=None,
                         help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
-    parser.add_argument("--part", choices=("all", "1-2", "3"), default="all",
-                        help="the ZeRO-1/2 part, the stage-3 part, or both (default); --device: ZeRO-1 against torch's, ZeRO3 against FSDP2, or both")
-    parser.add_argument("--worlds", type=str, default=None, help="world sizes of the stage-3 part (default 2,3)")
+    parser.add_argument("--part", choices=("all", "1-2", "3", "budget"), default="all",
+                        help="the ZeRO-1/2 part, the stage-3 part, both (default), or the model no rank can hold "
+                             "(budget: from a meta-device build, beside FSDP2's, and the JAX side); --device: ZeRO-1 "
+                             "against torch's, ZeRO3 against FSDP2, or both")
+    parser.add_argument("--worlds", type=str, default=None,
+                        help="world sizes of the stage-3 part (default 2,3) or of the budget part (default 2,3,4)")
     gpt.add_arguments(parser)
     args = parser.parse_args(argv)
     bench = gpt.config_from_args(parser, args)
     if bench is not None:
+        if args.part == "budget":
+            parser.error("--part budget: a CPU run of gloo ranks, not taken with --device")
         from hybrid.bench.gpt._torch import ZERO_PAIRS
         mlp_only = [f"--{name}" for name in ("widths", "worlds") if getattr(args, name) is not None]
         if mlp_only:
@@ -204,6 +211,8 @@ def main(argv: list[str]) -> int:
         _zero12(args, reps)
     if args.part in ("all", "3"):
         _stage3(args, reps)
+    if args.part == "budget":
+        _budget(args, reps)
     return 0
 
 
@@ -232,6 +241,37 @@ def _stage3(args, reps: int) -> None:
     print(_zero3.memory_report(results))
     print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
     print(_zero3.step_report(results))
+
+
+def _budget(args, reps: int) -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from hybrid.bench import _zero3_budget as budget
+
+    worlds = tuple(int(w) for w in (args.worlds or "2,3,4").split(","))
+    model = budget.QUICK_MODEL if args.quick else budget.MODEL
+    outdir = tempfile.mkdtemp(prefix="hybrid_bench_budget_")
+    results, jax_rows = {}, {}
+    for world in worlds:
+        mp.spawn(budget.worker, args=(world, _port(), outdir, model, 32, reps, 2), nprocs=world, join=True)
+        results[world] = [torch.load(os.path.join(outdir, f"budget-world{world}-rank{r}.pt")) for r in range(world)]
+        out = os.path.join(outdir, f"jax-{world}.json")
+        subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(world), str(model["width"]),
+                        str(model["depth"]), "32", out], check=True)
+        with open(out) as f:
+            jax_rows[world] = json.load(f)
+        for name in budget.VARIANTS:  # the checkpoints its loads read: the model's state, every world size
+            shutil.rmtree(os.path.join(outdir, f"ckpt-{world}-{name}"), ignore_errors=True)
+    print("\n# a model no rank can hold: built on the meta device, loaded, trained 3 steps under a per-rank budget "
+          "(hybrid ZeRO3 and torch FSDP2, gloo; JAX stage 3 on host devices)")
+    print(budget.report(results, model, jax_rows))
+    print("\njax_zero3: bytes per device of its slices of the parameters and Adam's state, born sharded "
+          "(init_shards), after 3 steps; '+ step temp': with what XLA's compiled step says it needs beside them. "
+          "The build column of '+ step temp' adds the compiled init's temporaries (XLA:CPU computes whole "
+          "buckets on every device, then keeps its slices).")
 
 
 def _zero12(args, reps: int) -> None:

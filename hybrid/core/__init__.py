@@ -33,8 +33,8 @@ from hybrid.core._shard import (
 from hybrid.core._reshard import ReshardPlan, ShardCopy, reshard
 from hybrid.core._reducer_state import ReducerState, mark_ready, mark_unused, start_iteration
 from hybrid.core._spec import TensorSpec
-from hybrid.core._zero3 import (Zero3Memory, forward_order, gather_windows, zero3_bucket_cap, zero3_memory,
-                                zero3_plan)
+from hybrid.core._zero3 import (Zero3Memory, forward_order, gather_windows, zero3_bucket_cap, zero3_group_plan,
+                                zero3_memory, zero3_plan)
 
 __all__ = [
     "COLLECTIVES", "DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_FIRST_BUCKET_CAP_BYTES", "FLAX_RULES", "MiB", "NETWORKS",
@@ -46,5 +46,6 @@ __all__ = [
     "assign_buckets", "canonical_dtype", "compute_bucket_assignment_by_size", "ddp_size_limits",
     "itemsize", "mark_ready", "mark_unused", "merge_piece", "pack", "partition_params", "plan_buckets", "plan_graph_split", "rebuild_plan", "reshard", "shard_flat", "split_size_limits", "start_iteration",
     "take_shard", "unpack", "zero_memory",
-    "Zero3Memory", "bucket_pieces", "forward_order", "gather_windows", "zero3_bucket_cap", "zero3_memory", "zero3_plan",
+    "Zero3Memory", "bucket_pieces", "forward_order", "gather_windows", "zero3_bucket_cap", "zero3_group_plan", "zero3_memory",
+    "zero3_plan",
 ]

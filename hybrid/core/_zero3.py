@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from hybrid.core._buckets import BucketPlan, _check_limits, plan_buckets, rebuild_plan
+from hybrid.core._buckets import BucketPlan, _check_limits, _layout, plan_buckets, rebuild_plan
 from hybrid.core._dtypes import itemsize
 from hybrid.core._shard import FlatShardPlan
 from hybrid.core._spec import check_specs
@@ -193,3 +193,29 @@ def zero3_plan(specs, *, bucket_cap_bytes: int | None = None, first_bucket_cap_b
     first = min(1 << 20, cap) if first_bucket_cap_bytes is None else int(first_bucket_cap_bytes)
     limits = _check_limits(cap, first)  # as plan_buckets: a first cap at or above the cap is ignored
     return rebuild_plan(plan_buckets(specs, size_limits=limits), list(reversed(range(len(specs)))), size_limits=limits)
+
+
+def zero3_group_plan(specs, groups) -> BucketPlan:
+    """Stage 3's memory-first plan: a bucket per group of tensors (``groups[i]``: tensor ``i``'s
+    group, e.g. the module that holds it: FSDP2's unit when ``fully_shard`` wraps every layer),
+    whatever its size, so a rank holds at most a group or two gathered at a time.
+
+    As in :func:`zero3_plan`, tensors and buckets run in reverse registration order (bucket 0 holds
+    the last group registered); a group whose tensors have two dtypes gets a bucket per dtype.
+
+    >>> from hybrid.core import TensorSpec
+    >>> specs = [TensorSpec(n, s, "float32") for n, s in [("0.w", (64, 64)), ("0.b", (64,)),
+    ...                                                   ("1.w", (8, 64)), ("1.b", (8,))]]
+    >>> [[specs[m].name for m in b] for b in zero3_group_plan(specs, [0, 0, 1, 1]).bucket_indices()]
+    [['1.b', '1.w'], ['0.b', '0.w']]
+    """
+    specs = check_specs(specs)
+    groups = list(groups)
+    if len(groups) != len(specs):
+        raise ValueError(f"groups must give one group per tensor: {len(groups)} for {len(specs)} tensors")
+    members: dict[tuple, list[int]] = {}
+    for i in reversed(range(len(specs))):
+        members.setdefault((groups[i], specs[i].dtype, specs[i].device), []).append(i)
+    buckets = tuple(_layout(specs, m, sum(specs[i].nbytes for i in m), 1) for m in members.values())
+    return BucketPlan(specs, buckets, (max(b.size_limit for b in buckets),), 1)
+

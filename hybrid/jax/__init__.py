@@ -7,6 +7,7 @@ from hybrid.jax._cost_probe import measure_collectives
 from hybrid.jax._finite import apply_if_finite
 from hybrid.jax._grad import local_grad
 from hybrid.jax._ready import gradient_ready_order
+from hybrid.jax.sharded._init import abstract_shards, init_shards
 from hybrid.jax.sharded._params import ParamShards, gather_params, gathered, shard_params, unshard_params
 from hybrid.jax._specs import key_path_name, specs
 from hybrid.jax._state_specs import state_specs
@@ -14,7 +15,7 @@ from hybrid.jax.sharded._zero import NON_ELEMENTWISE, ZeroState, zero
 
 __all__ = [
     "NON_ELEMENTWISE", "BucketedAllReduceState", "ParamShards", "ZeroState",
-    "apply_if_finite", "auto_bucket_plan", "bucketed_all_reduce", "clip_by_global_norm", "gather_params", "gathered",
-    "gradient_ready_order", "key_path_name", "local_grad", "measure_collectives", "shard_params", "specs",
+    "abstract_shards", "apply_if_finite", "auto_bucket_plan", "bucketed_all_reduce", "clip_by_global_norm", "gather_params", "gathered",
+    "gradient_ready_order", "init_shards", "key_path_name", "local_grad", "measure_collectives", "shard_params", "specs",
     "state_specs", "unshard_params", "zero",
 ]

@@ -91,7 +91,7 @@ def test_zero_stage3_report_aa_is_ddp_against_itself_per_model_and_world():
     times["ddp_adam'"] = _series(0.05, 1.02)
     memory = {name: {"held": 100 * (i + 1), "peak": 200 * (i + 1)} for i, name in enumerate(_zero3.VARIANTS)}
     memory["hybrid_zero3"].update(buckets=4, working_set=64)
-    memory["hybrid_zero3_layer"].update(buckets=8, working_set=16)
+    memory["hybrid_zero3_memory"].update(buckets=8, working_set=16)
     rank = {"mlp": {"times": times, "memory": memory}}
     results = {("mlp", 2): [rank, rank], ("mlp", 3): [rank, rank, rank]}
     out = _zero3.step_report(results)
@@ -102,7 +102,7 @@ def test_zero_stage3_report_aa_is_ddp_against_itself_per_model_and_world():
     table = _zero3.memory_report(results)
     assert re.search(r"mlp\s+3\s+hybrid_zero3\s+400 B\s+4\.000\s+800 B\s+4\.000\s+4 buckets, working set 64 B",
                      table), table
-    assert re.search(r"mlp\s+3\s+hybrid_zero3_layer\s+500 B\s+5\.000\s+1000 B\s+5\.000\s+8 buckets, working set 16 B",
+    assert re.search(r"mlp\s+3\s+hybrid_zero3_memory\s+500 B\s+5\.000\s+1000 B\s+5\.000\s+8 buckets, working set 16 B",
                      table), table
 
 

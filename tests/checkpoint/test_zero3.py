@@ -75,7 +75,11 @@ def _run(kind, path_in, path_out, rank, port, out):
 
 @contextlib.contextmanager
 def _no_tensor_collectives(active: bool):
-    """ZeRO3's saves and loads gather nothing: every collective that moves tensors raises inside."""
+    """ZeRO3's saves and loads gather nothing: every collective that moves tensors raises inside,
+    but the few bytes of the check every collective call of ZeRO3 starts with (which call, how
+    many: ``hybrid.torch._call_guard``)."""
+    import sys
+
     import torch.distributed as dist
 
     names = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast", "reduce",
@@ -84,6 +88,8 @@ def _no_tensor_collectives(active: bool):
 
     def refuse(name):
         def fn(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith("_call_guard.py"):
+                return saved[name](*args, **kwargs)
             raise AssertionError(f"a ZeRO3 checkpoint moved tensors between ranks: {name}")
         return fn
     if active:

@@ -272,3 +272,7 @@ CASES["eval_between_steps"] = eval_between_steps
 CASES["no_future_warning"] = no_future_warning
 CASES.update({f"mixed_precision[{d}]": functools.partial(mixed_precision, reduce_dtype=d)
               for d in (torch.float32, None)})
+
+from tests.torch_zero3 import _cases_anywhere  # noqa: E402 - merged: one spawn per world runs both tables
+
+CASES.update(_cases_anywhere.CASES)

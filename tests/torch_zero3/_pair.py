@@ -32,6 +32,7 @@ LAYOUTS = {
     "six_buckets_prefetch_3": {"bucket_cap_mb": 0.00004, "prefetch": 3},
     "four_buckets_kept": {"bucket_cap_mb": 0.0001, "reshard_after_forward": False},
     "four_buckets_flat": {"bucket_cap_mb": 0.0001, "flat": True},
+    "memory_policy": {"policy": "memory"},  # a bucket per module, nothing kept for the backward
 }
 
 def use_flat_collectives(model: ZeRO3) -> None:
@@ -43,13 +44,14 @@ class Pair(OptimizerPair):
     """The same model under ZeRO3 + ZeRO3Optimizer and under torch DDP + the plain optimizer."""
 
     def __init__(self, optim: str, layout: dict, *, groups: bool = False, model: torch.nn.Module | None = None,
-                 **extra):
+                 zero3_options=None, **extra):
+        """``zero3_options(model)``: more ZeRO3 arguments for the copy it wraps (``external_params``)."""
         kwargs = {**OPTIMIZERS[optim][1], **extra}
         layout = dict(layout)
         flat = layout.pop("flat", False)
         base = make_model() if model is None else model
         self.model, self.ref_model = copy.deepcopy(base), copy.deepcopy(base)
-        self.zero = ZeRO3(self.model, **layout)
+        self.zero = ZeRO3(self.model, **layout, **(zero3_options(self.model) if zero3_options else {}))
         if flat:
             use_flat_collectives(self.zero)
         self.ref_ddp = TorchDDP(self.ref_model)

@@ -15,11 +15,13 @@ TIMEOUT_S = 5
 
 # mode -> (ZeRO3 options, where the victim (rank 1) fails, what the survivor's message must hold)
 MODES = {
-    # the victim never starts its forward: the survivor waits in the first gather
-    "forward-gather": ({}, "exit-before-forward", "ZeRO3 forward: the broadcast of rank "),
-    "forward-all-gather": ({"flat": True}, "exit-before-forward",
+    # the victim never starts its forward: the survivor waits in the check every call begins with
+    "forward-check": ({}, "exit-before-forward", "ZeRO3 forward: the check that every rank entered this call"),
+    # the victim dies as its first module starts: the survivor waits in the first gather
+    "forward-gather": ({}, "exit-in-first-module", "ZeRO3 forward: the broadcast of rank "),
+    "forward-all-gather": ({"flat": True}, "exit-in-first-module",
                            "ZeRO3 forward: the all-gather of bucket 0's parameters failed"),
-    "forward-gather-stall": ({}, "stall-before-forward", "ZeRO3 forward: the broadcast of rank "),
+    "forward-gather-stall": ({}, "stall-in-first-module", "ZeRO3 forward: the broadcast of rank "),
     # the victim dies as its backward begins; with the buckets kept from the forward the
     # survivor's first collective of the backward is the reduction of gradient bucket 0
     "backward-all-reduce": ({"reshard_after_forward": False}, "exit-in-backward",
@@ -55,11 +57,18 @@ def _worker(mode, rank, port, out):
             os._exit(17)  # no exception, no cleanup: a crashed rank
         return grad
 
+    def in_first_module(module, args):
+        if armed[0] and fault == "exit-in-first-module":
+            os._exit(17)
+        if armed[0] and fault == "stall-in-first-module":
+            time.sleep(3 * TIMEOUT_S)
+
+    # Before ZeRO3's own hook: after the forward's check, before its first gather.
+    model.module[0].register_forward_pre_hook(in_first_module, prepend=True)
+
     def iteration():
         if armed[0] and fault == "exit-before-forward":
             os._exit(17)
-        if armed[0] and fault == "stall-before-forward":
-            time.sleep(3 * TIMEOUT_S)
         out = model(torch.ones(3, 4))
         if rank == 1:
             out.register_hook(die_in_backward)

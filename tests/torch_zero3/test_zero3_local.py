@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import hybrid.torch.zero._parts
-import hybrid.torch.zero._zero3
-import hybrid.torch.zero._zero3_optim
-import hybrid.torch.zero._zero3_shards
+import hybrid.torch.zero.zero3._model
+import hybrid.torch.zero.zero3._optim
+import hybrid.torch.zero.zero3._shards
 from hybrid.torch import GradientInShards, ZeRO3, ZeRO3Optimizer
 from hybrid.torch import ParameterInShards
 from tests.torch_zero2.test_zero2_local import world_of_one  # noqa: F401 - a fixture: one gloo process
 
 
-@pytest.mark.parametrize("module", [hybrid.torch.zero._zero3, hybrid.torch.zero._zero3_optim,
-                                    hybrid.torch.zero._zero3_shards, hybrid.torch.zero._parts])
+@pytest.mark.parametrize("module", [hybrid.torch.zero.zero3._model, hybrid.torch.zero.zero3._optim,
+                                    hybrid.torch.zero.zero3._shards, hybrid.torch.zero._parts])
 def test_module_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -68,6 +68,8 @@ def _mlp():
     (lambda: ZeRO3(_mlp(), prefetch=True), ValueError, "prefetch must be an int >= 0"),
     (lambda: ZeRO3(_mlp(), bucket_cap_mb=0), ValueError, "bucket_cap_mb must be > 0, got 0"),
     (lambda: ZeRO3(_mlp().requires_grad_(False)), ValueError, "no parameter that requires a gradient"),
+    (lambda: ZeRO3(_mlp(), policy="fast"), ValueError, r"policy must be one of \('speed', 'memory'\), got 'fast'"),
+    (lambda: ZeRO3(_mlp(), policy="memory", bucket_cap_mb=1), ValueError, "give it or bucket_cap_mb=, not both"),
     (lambda: ZeRO3Optimizer(_mlp(), torch.optim.SGD, lr=0.1), TypeError, "needs a hybrid.torch.ZeRO3 model, got Sequential"),
     (lambda: ZeRO3Optimizer(ZeRO3(_mlp()), "sgd"), TypeError, "optimizer_class must be a torch.optim.Optimizer subclass"),
 ])
@@ -203,3 +205,29 @@ def test_numpy_views_inside_gathered(world_of_one):
         for name, p in plain.named_parameters():
             assert torch.equal(model.module.get_parameter(name), p), name
     assert model._buckets.working.live == 0
+
+
+def test_external_params_errors_name_the_culprit(world_of_one):
+    from tests.torch_zero3._models import Siblings
+    model = Siblings()
+    model.inp.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"external_params: Linear .* is not a module of the wrapped model"):
+        ZeRO3(model, external_params={torch.nn.Linear(2, 2): [model.mix.weight]})
+    with pytest.raises(ValueError, match=r"external_params\['reader'\]: 'inp.weight', which is not sharded"):
+        ZeRO3(model, external_params={model.reader: [model.inp.weight]})
+    with pytest.raises(ValueError, match=r"external_params\['the root module'\]: a tensor of shape \(3,\) that is no "
+                                         r"parameter"):
+        ZeRO3(model, external_params={model: [torch.nn.Parameter(torch.ones(3))]})
+    with pytest.raises(TypeError, match="external_params must map modules"):
+        ZeRO3(model, external_params=[model.mix.weight])
+
+
+def test_a_read_outside_any_forward_names_the_parameter(world_of_one):
+    """Outside a forward, its backward and gathered(), a read of a parameter raises naming it and
+    the calls that work; inside a forward, the same read computes (the parent's head)."""
+    from tests.torch_zero3._models import TinyGPT
+    model = ZeRO3(TinyGPT())
+    with pytest.raises(RuntimeError, match=r"parameter 'emb.weight': T is not available: it is sharded .*"
+                                           r"only while a forward \(model\(x\) or model.module\(x\)\)"):
+        model.module.emb.weight.T
+    model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()

@@ -9,9 +9,10 @@ every thread), at world sizes 2, 3 and 4, beside torch's DDP and FSDP2 on the sa
   alive at once) stays within :func:`hybrid.core.zero3_memory`'s stated bound.
 - The peak of live tensor bytes over a whole step is no higher than FSDP2's (``fully_shard`` per
   layer, as torch recommends), on an MLP whose layers are each a bucket of the default plan; and on
-  a stack of small layers when ZeRO3's cap gives a bucket per layer (FSDP2's unit of gathering).
-  There the default plan gathers many layers at once (fewer, larger collectives: the step-time
-  end of the cap, docs/zero.md) and its peak is above FSDP2's; the test states it, not hides it.
+  100 Linear(32, 32) with ``policy="memory"`` (a bucket per module, FSDP2's unit of gathering,
+  nothing kept between forward and backward). There the default plan gathers many layers at once
+  (fewer, larger collectives: the speed-first end, docs/zero.md) and its peak is above FSDP2's;
+  the test states it, not hides it.
 """
 
 import gc
@@ -22,7 +23,7 @@ import torch
 from tests._procs import forkserver_ranks
 
 WIDTHS = (768, 1024, 512, 768, 384)  # 4 layers of 1.2-3.1 MB: 2 M parameters, a bucket per layer
-SMALL = (96,) * 41  # 40 layers of 37 KB: the default plan gathers ~28 at once, FSDP2 one
+SMALL = (32,) * 101  # 100 Linear(32, 32) of 4 KB: the default plan gathers ~100 at once, FSDP2 one
 
 
 def _mlp(widths=WIDTHS):
@@ -41,7 +42,7 @@ def _measure(world, rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=45))
     report = {"mlp": _measure_model(world, rank, WIDTHS, ("ddp", "fsdp2", "zero3")),
-              "small": _measure_model(world, rank, SMALL, ("fsdp2", "zero3", "zero3_layer"))}
+              "small": _measure_model(world, rank, SMALL, ("fsdp2", "zero3", "zero3_memory"))}
     out.put((rank, report, 0.0))
     dist.destroy_process_group()
 
@@ -74,9 +75,8 @@ def _measure_model(world, rank, widths, variants):
                     fully_shard(layer, mesh=mesh)
             net = fully_shard(model, mesh=mesh)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        else:  # a bucket closes on a layer's weight (the plan runs backwards): that cap, a layer a bucket
-            layer = widths[0] * widths[1] * 4 / 2**20
-            net = ZeRO3(model, bucket_cap_mb=layer if name == "zero3_layer" else None)
+        else:
+            net = ZeRO3(model, policy="memory" if name == "zero3_memory" else "speed")
             opt = ZeRO3Optimizer(net, torch.optim.Adam, lr=1e-3)
         del model
         peaks = []
@@ -121,22 +121,27 @@ def test_memory_per_rank(live_counter, world):
               f"peak DDP {ddp['peak']} FSDP2 {fsdp['peak']} ZeRO3 {z['peak']}; ZeRO3 working set {z['working']} "
               f"<= {z['bound']} over {z['buckets']} buckets")
         # Parameters and Adam's moments, float32: 1/N of DDP's 12 bytes per parameter, plus padding;
-        # Adam's step counter per flat run, and one element for each of the 8 parameters' stand-in
-        # and its gradient's.
-        assert z["held"] == 12 * z["padded"] + 4 * z["runs"] + 2 * 4 * 8, z
+        # Adam's step counter per flat run (the stand-ins expand one shared zero: 4 bytes, once).
+        assert 0 <= z["held"] - (12 * z["padded"] + 4 * z["runs"]) <= 4, z
         assert 12 * z["padded"] < 12 * (numel / world + z["buckets"]), (z, numel)
         assert ddp["held"] >= 12 * numel  # DDP: parameters and state (and its gradient buckets)
         assert z["working"] <= z["bound"], z
         assert z["peak"] <= fsdp["peak"], (z, fsdp)
-        # 40 small layers: a bucket per layer peaks no higher than FSDP2 per layer; the default plan's
-        # buckets of many layers hold more at once (its working set, within its bound) and peak higher.
-        fsdp, layer, default = small["fsdp2"], small["zero3_layer"], small["zero3"]
-        print(f"world {world} rank {rank}, {len(SMALL) - 1} small layers: peak FSDP2 {fsdp['peak']}, ZeRO3 a layer "
-              f"a bucket {layer['peak']} ({layer['buckets']} buckets), default plan {default['peak']} "
+        # 100 small layers: the memory policy (a bucket per layer) peaks no higher than FSDP2 per layer;
+        # the default plan's buckets of many layers hold more at once (within its bound) and peak higher.
+        fsdp, layer, default = small["fsdp2"], small["zero3_memory"], small["zero3"]
+        print(f"world {world} rank {rank}, {len(SMALL) - 1} small layers: peak FSDP2 {fsdp['peak']}, ZeRO3 "
+              f"policy='memory' {layer['peak']} ({layer['buckets']} buckets), default plan {default['peak']} "
               f"({default['buckets']} buckets, working set {default['working']})")
         assert layer["buckets"] == len(SMALL) - 1 and default["buckets"] < layer["buckets"]
-        for z in (layer, default):  # slices and moments, Adam's counters, 80 stand-ins and their gradients
-            assert z["held"] == 12 * z["padded"] + 4 * z["runs"] + 2 * 4 * 2 * (len(SMALL) - 1), z
-        assert layer["peak"] <= fsdp["peak"], (layer, fsdp)
-        assert layer["working"] <= layer["bound"] and default["working"] <= default["bound"], small
-        assert default["peak"] > fsdp["peak"]  # the price of fewer collectives, stated (docs/zero.md)
+        for z in (layer, default):  # slices and moments, Adam's counters (and at most the shared zero)
+            assert 0 <= z["held"] - (12 * z["padded"] + 4 * z["runs"]) <= 4, z
+        assert default["working"] <= default["bound"], small
+    # Compared on the fullest rank, which bounds what each machine needs: FSDP2 cuts a weight's rows
+    # with torch.chunk (11, 11 and 10 of 32 at 3 ranks), so its last rank holds less; flat slices
+    # are equal.
+    fullest = {name: max(both["small"][name]["peak"] for both, _ in reports.values())
+               for name in ("fsdp2", "zero3_memory", "zero3")}
+    print(f"world {world}, the fullest rank's peak: {fullest}")
+    assert fullest["zero3_memory"] <= fullest["fsdp2"], fullest
+    assert fullest["zero3"] > fullest["fsdp2"], fullest  # the price of fewer collectives, stated (docs/zero.md)

@@ -36,11 +36,13 @@ def _numpy_slice(t: torch.Tensor, dtype: str) -> np.ndarray:
     return t.numpy()
 
 
-def _torch_slice(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _torch_slice(a: np.ndarray, dtype: torch.dtype, device: torch.device, *, own: bool = False) -> torch.Tensor:
+    """``a`` as a torch tensor; ``own``: in memory of its own (optimizer state that stays: a view
+    of the read buffer would keep all of it alive, outside torch's allocator)."""
     t = torch.from_numpy(np.ascontiguousarray(a))
     if a.dtype == np.uint16:
         t = t.view(torch.int16).view(torch.bfloat16)
-    return t.to(device=device, dtype=dtype)
+    return t.to(device=device, dtype=dtype, copy=own)
 
 
 def _group_state(optimizer) -> dict[int, tuple[int | None, list[str]]]:
@@ -67,6 +69,7 @@ def _group_state(optimizer) -> dict[int, tuple[int | None, list[str]]]:
 def save_zero3(path: str | os.PathLike, model, optimizer, *, step: int, extras: dict) -> Manifest | None:
     """:func:`hybrid.checkpoint.torch.save` of a ZeRO3 model (and its ZeRO3Optimizer): a collective."""
     group, rank, world_size = model.process_group, model.rank, model.world_size
+    model._guard.enter("hybrid.checkpoint.torch.save")
     plan, shards = model.bucket_plan, model.shards
     names = model._names
     dtypes = [b.dtype for b in plan.buckets]
@@ -174,6 +177,6 @@ def _optimizer_slices(ckpt: CheckpointReader, reshard, model, optimizer, hyperpa
                                       f"of their flat run {sorted(set(members) - set(held))}")
             if held:
                 st[TORCH_KEY_OF_SLOT.get(slot, slot)] = _torch_slice(slots[slot][seg.bucket][seg.lo:seg.hi],
-                                                                     torch.float32, master.device)
+                                                                     torch.float32, master.device, own=True)
         state[master] = st
     return state, groups

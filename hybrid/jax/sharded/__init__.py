@@ -2,8 +2,10 @@
 slices), stage 3's parameters as slices (``ParamShards``, ``shard_params``, ``gather_params``,
 ``gathered``), and the masks and partitions an inner optax transform sees on slices."""
 
+from hybrid.jax.sharded._init import abstract_shards, init_shards
 from hybrid.jax.sharded._params import ParamShards, gather_params, gathered, shard_params, unshard_params
 from hybrid.jax.sharded._slices import ZeroState
 from hybrid.jax.sharded._zero import zero
 
-__all__ = ["ParamShards", "ZeroState", "gather_params", "gathered", "shard_params", "unshard_params", "zero"]
+__all__ = ["ParamShards", "ZeroState", "abstract_shards", "gather_params", "gathered", "init_shards", "shard_params",
+           "unshard_params", "zero"]

@@ -6,9 +6,9 @@ from hybrid.torch.zero._hooks import hook_with_zero_step, hook_with_zero_step_in
 from hybrid.torch.zero._zero1 import ZeroRedundancyOptimizer
 from hybrid.torch.zero._zero2 import ZeRO2
 from hybrid.torch.zero._zero2_grads import GradientInShards
-from hybrid.torch.zero._zero3 import ZeRO3
-from hybrid.torch.zero._zero3_optim import ZeRO3Optimizer
-from hybrid.torch.zero._zero3_shards import ParameterInShards
+from hybrid.torch.zero.zero3._model import ZeRO3
+from hybrid.torch.zero.zero3._optim import ZeRO3Optimizer
+from hybrid.torch.zero.zero3._shards import ParameterInShards
 
 __all__ = ["GradientInShards", "ParameterInShards", "ZeRO2", "ZeRO3", "ZeRO3Optimizer", "ZeroRedundancyOptimizer",
            "hook_with_zero_step", "hook_with_zero_step_interleaved"]

@@ -23,6 +23,22 @@ _ADVICE = ("Its gradient was reduce-scattered by hybrid.torch.ZeRO2 or ZeRO3: ea
            "norm without clipping, for logging.")
 
 
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def shared_zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One zero scalar per dtype and device, that every stand-in expands (nothing writes it: the
+    stand-ins refuse every read and write of their values), so a stand-in costs no memory.
+
+    >>> shared_zero(torch.float32, torch.device("cpu")) is shared_zero(torch.float32, torch.device("cpu"))
+    True
+    """
+    key = (dtype, torch.device(device))
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
+    return _ZEROS[key]
+
+
 class GradientInShards(torch.Tensor):
     """What ``param.grad`` holds between a ZeRO2 backward and the next forward (or ``zero_grad``).
 
@@ -41,9 +57,8 @@ class GradientInShards(torch.Tensor):
 
     @staticmethod
     def of(param: torch.Tensor, name: str) -> "GradientInShards":
-        """A stand-in shaped like ``param`` (a zero scalar expanded: one element of memory)."""
-        scalar = torch.zeros((), dtype=param.dtype, device=param.device)
-        out = torch.Tensor._make_subclass(GradientInShards, scalar.expand(param.shape))
+        """A stand-in shaped like ``param`` (a zero scalar expanded: no memory of its own)."""
+        out = torch.Tensor._make_subclass(GradientInShards, shared_zero(param.dtype, param.device).expand(param.shape))
         out.param_name = name
         return out
 

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core import FlatShardPlan
+from hybrid.torch._call_guard import CallGuard
 from hybrid.torch._collectives import reduce_scatter_into, wait_all
 from hybrid.torch.zero._zero2_grads import GradientInShards
-from hybrid.torch.zero._zero3_params import WorkingSet
+from hybrid.torch.zero.zero3._params import WorkingSet
 
 
 class GradReducer:
@@ -40,11 +41,13 @@ class GradReducer:
       on_bucket_done: called with ``b`` once bucket ``b``'s parameters have all their gradients
         (the backward no longer needs them: ZeRO3 frees the gathered bucket).
       working: counts the full gradient buckets' bytes.
+      guard: checks, as a backward begins, that every rank is in the same call.
     """
 
     def __init__(self, params: list[torch.Tensor], names: list[str], user_params: list[torch.Tensor],
                  shards: FlatShardPlan, rank: int, *, group, reduce_dtype: torch.dtype | None,
-                 flat_collectives: bool, on_bucket_done: Callable[[int], None], working: WorkingSet):
+                 flat_collectives: bool, on_bucket_done: Callable[[int], None], working: WorkingSet,
+                 guard: CallGuard):
         self.params, self.names, self.shards, self.rank, self.group = params, names, shards, rank, group
         self.user_params = user_params
         # One stand-in per parameter, made once (they are immutable), set without going through
@@ -60,7 +63,7 @@ class GradReducer:
         self._sizes = [len(b.members) for b in plan.buckets]
         self.slices: list[torch.Tensor | None] = [None] * plan.num_buckets
         self.sync = True  # False under ZeRO3.no_sync(): gradients stay local, in .grad
-        self.working = working
+        self.working, self.guard = working, guard
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
 
@@ -74,12 +77,18 @@ class GradReducer:
         self._queued = False
         self._syncing = self.sync
 
+    @property
+    def in_backward(self) -> bool:
+        return self._queued
+
     def begin_backward(self) -> None:
-        """Queue the end-of-backward callback, once per backward (from any hook of it)."""
+        """Check that every rank is in a backward, and queue the end-of-backward callback, once
+        per backward (from any hook of it, before its first collective)."""
         if not self._queued:
             self._queued = True
             self._syncing = self.sync
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self.guard.enter("backward")
 
     def _grad_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:

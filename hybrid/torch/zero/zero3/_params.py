@@ -6,8 +6,8 @@ slices and of checkpoint files. Every parameter's ``.data`` is a view into its b
 buffer, set once. Freeing a bucket resizes that buffer's storage to zero bytes and gathering
 resizes it back, so the views, and the tensors autograd saved of them in the forward, stay valid
 across a free and a gather (torch's FSDP frees its unsharded parameters the same way). These
-*working* parameters are what the module computes with while it runs (``_zero3_schedule`` swaps
-them in); the user's parameter objects stand for the sharded state (``_zero3_shards``).
+*working* parameters are what the module computes with while it runs (``_schedule`` swaps
+them in); the user's parameter objects stand for the sharded state (``_shards``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class ParamBuckets:
     """This rank's parameter slices, and the full buckets gathered from them on demand.
 
     Args:
-      params: the parameters to shard, indexed as the plan's specs; their values are read once.
+      params: the parameters to shard, indexed as the plan's specs; their values are read once
+        (rank 0's), unless ``slices`` are given.
       shards: the flat shard plan (one equal slice per rank of every padded bucket).
       rank, group: this rank and the process group the buckets are sharded over.
       compute_dtype: the dtype of the gathered buckets (mixed precision's ``param_dtype``), or
@@ -60,15 +61,19 @@ class ParamBuckets:
       flat_collectives: gather with ``all_gather`` (True) or with one broadcast per rank, which is
         faster on gloo (see ZeRO2).
       working: counts the gathered buckets' bytes.
+      slices: this rank's slices, made already (a meta module's, initialised unit by unit).
+      device: where the buckets live (default: the parameters' device).
     """
 
     def __init__(self, params: list[torch.Tensor], shards: FlatShardPlan, rank: int, *, group,
-                 compute_dtype: torch.dtype | None, flat_collectives: bool, working: WorkingSet):
+                 compute_dtype: torch.dtype | None, flat_collectives: bool, working: WorkingSet,
+                 slices: list[torch.Tensor] | None = None, device: torch.device | None = None):
         self.shards, self.rank, self.group = shards, rank, group
         self.world_size = shards.world_size
         self.flat_collectives = flat_collectives
         self.slices: list[torch.Tensor] = []
         self.full: list[torch.Tensor] = []
+        self._unmade: list[bool] = []  # no buffer of the bucket's size yet: made at the next gather
         # The parameters the module computes with: views into the full buffers, one per spec.
         self.work: list[torch.nn.Parameter] = [None] * len(params)
         self.state: list[str] = []
@@ -76,49 +81,68 @@ class ParamBuckets:
         self.working = working
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for b, bucket in enumerate(shards.bucket_plan.buckets):
-            # DDP's start: every rank takes rank 0's values. One full bucket at a time.
             first = params[bucket.members[0]]
-            flat = torch.zeros(shards.padded_length(b), dtype=first.dtype, device=first.device)
-            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
-                flat[o:o + n].copy_(params[m].detach().reshape(-1))
-            if self.world_size > 1:
-                dist.broadcast(flat, src=src, group=group)
-            start, stop = shards.shard_range(b, rank)
-            self.slices.append(flat[start:stop].clone())
-            flat.untyped_storage().resize_(0)  # now, not when the backend drops the broadcast
-            full = torch.empty(0, dtype=compute_dtype or first.dtype, device=first.device)
+            where = first.device if device is None else device
+            if slices is not None:
+                self.slices.append(slices[b])
+            else:
+                # DDP's start: every rank takes rank 0's values. One full bucket at a time.
+                flat = torch.zeros(shards.padded_length(b), dtype=first.dtype, device=where)
+                for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+                    flat[o:o + n].copy_(params[m].detach().reshape(-1))
+                if self.world_size > 1:
+                    dist.broadcast(flat, src=src, group=group)
+                start, stop = shards.shard_range(b, rank)
+                self.slices.append(flat[start:stop].clone())
+                flat.untyped_storage().resize_(0)  # now, not when the backend drops the broadcast
+            full = torch.empty(0, dtype=compute_dtype or first.dtype, device=where)
             for m in bucket.members:
-                self.work[m] = torch.nn.Parameter(full.new_empty(0))  # a view of the buffer, next
+                self.work[m] = torch.nn.Parameter(full.new_empty(0))  # a view of the buffer, once made
             self.full.append(full)
+            self._unmade.append(True)
             self.state.append(FREE)
-            self._new_buffer(b)
 
     def _new_buffer(self, b: int) -> None:
-        """Give bucket ``b`` a full buffer of no storage yet, its working parameters views into it."""
+        """Bucket ``b`` gets a new full buffer at its next gather; the old one stays with whoever
+        still holds a view of it. Till then its working parameters hold no element."""
+        old = self.full[b]
+        empty = torch.empty(0, dtype=old.dtype, device=old.device)
+        with torch.no_grad():
+            for m in self.shards.bucket_plan.buckets[b].members:
+                self.work[m].data = empty
+        self.full[b] = empty
+        self._unmade[b] = True
+
+    def _allocate(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s full buffer with memory: its storage resized back, or, the first time (and
+        after :meth:`_new_buffer`), a new buffer with the working parameters made views into it.
+        Made here and not earlier: an empty buffer cannot take views of the bucket's size."""
+        if not self._unmade[b]:
+            self.full[b].untyped_storage().resize_(self._nbytes(b))
+            return self.full[b]
         plan = self.shards.bucket_plan
-        bucket, old = plan.buckets[b], self.full[b]
+        old = self.full[b]
         full = torch.empty(self.shards.padded_length(b), dtype=old.dtype, device=old.device)
         with torch.no_grad():
-            for m, o, n in zip(bucket.members, bucket.offsets, bucket.numels):
+            for m, o, n in zip(plan.buckets[b].members, plan.buckets[b].offsets, plan.buckets[b].numels):
                 # Set through .data: the view gets a version counter of its own, so writing
                 # the buffer (a gather) does not look like an in-place change to autograd.
                 self.work[m].data = full[o:o + n].view(plan.specs[m].shape)
-        full.untyped_storage().resize_(0)
-        self.full[b] = full
+        self.full[b], self._unmade[b] = full, False
+        return full
 
     @property
     def num_buckets(self) -> int:
         return len(self.full)
 
     def _nbytes(self, b: int) -> int:
-        return self.full[b].numel() * self.full[b].element_size()
+        return self.shards.padded_length(b) * self.full[b].element_size()
 
     def gather(self, b: int, phase: str) -> None:
         """Start gathering bucket ``b`` (no-op unless it is free); :meth:`wait` before use."""
         if self.state[b] != FREE:
             return
-        full = self.full[b]
-        full.untyped_storage().resize_(self._nbytes(b))
+        full = self._allocate(b)
         self.working.add(self._nbytes(b))
         self.state[b] = GATHERING
         self._works[b] = self._issue(full, b, phase)
@@ -163,10 +187,12 @@ class ParamBuckets:
             self.state[b] = READY
         assert self.state[b] == READY, f"bucket {b} is {self.state[b]}, not gathered"
 
-    def free(self, b: int, *, quiet: bool = False) -> None:
+    def free(self, b: int, *, quiet: bool = False, renew: bool = False) -> None:
         """Release bucket ``b``'s full buffer (after its gather, if one is in flight: the backend
         must not write into freed memory). ``quiet``: on an error path, a failed gather is not
-        raised again (the error being handled is the one to report)."""
+        raised again (the error being handled is the one to report). ``renew``: leave the buffer
+        to whoever still references it (it is freed when they let go) and gather into a new one
+        from now on, rather than freeing the memory under them."""
         if self.state[b] == FREE:
             return
         if self.state[b] == GATHERING:
@@ -177,19 +203,19 @@ class ParamBuckets:
                     raise
                 return  # wait() freed it
         storage = self.full[b].untyped_storage()
-        if storage.resizable():
+        if storage.resizable() and not renew:
             storage.resize_(0)
         else:
-            # Someone shares the gathered memory: torch makes a storage non-resizable once numpy
-            # views it (`.numpy()` of a parameter inside gathered(), say). It stays theirs; the
-            # bucket gathers into a new buffer from now on.
+            # Someone may share the gathered memory (renew: the end of gathered(); torch makes a
+            # storage non-resizable once numpy views it). It stays theirs; the bucket gathers into
+            # a new buffer from now on.
             self._new_buffer(b)
         self.working.sub(self._nbytes(b))
         self.state[b] = FREE
 
-    def free_all(self, *, quiet: bool = False) -> None:
+    def free_all(self, *, quiet: bool = False, renew: bool = False) -> None:
         for b in range(self.num_buckets):
-            self.free(b, quiet=quiet)
+            self.free(b, quiet=quiet, renew=renew)
 
     @torch.no_grad()
     def write_back(self, b: int) -> None:

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from hybrid.torch.zero._parts import grads_on_masters, resolve_groups, run_closure
 from hybrid.torch.zero._zero2_grads import clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState
-from hybrid.torch.zero._zero3 import ZeRO3
+from hybrid.torch.zero.zero3._model import ZeRO3
 
 __all__ = ["ZeRO3Optimizer"]
 
@@ -106,6 +106,7 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         """``torch.nn.utils.clip_grad_norm_`` over every rank's gradient slices (exact: the norm of
         the whole averaged gradient, returned on every rank); a collective, between ``backward()``
         and ``step()``. ``max_norm=float("inf")`` only measures."""
+        self.module._guard.enter("ZeRO3Optimizer.clip_grad_norm_()")
         slices = [g for g in self.module._grads.slices if g is not None]
         return clip_grad_norm_(slices, max_norm, norm_type, group=self.process_group, device=self._params[0].device,
                                error_if_nonfinite=error_if_nonfinite)
@@ -115,6 +116,11 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         for g in self.module._grads.slices:
             if g is not None:
                 g.clamp_(min=-clip_value, max=clip_value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's per-parameter format (see ZeRO2's): a collective, on every rank."""
+        self.module._guard.enter("ZeRO3Optimizer.state_dict()")
+        return super().state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradient slices; the parameters' ``.grad`` become None."""

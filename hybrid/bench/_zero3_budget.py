@@ -1,0 +1,206 @@
+"""``python -m hybrid bench zero --part budget``: a model whose training state no rank can hold,
+trained from a meta-device build under a per-rank memory budget, beside torch's FSDP2 doing the
+same (its meta build, ``fully_shard`` per layer, ``to_empty`` and each layer's
+``reset_parameters``).
+
+The model: ``depth`` layers of ``Linear(width, width)`` + tanh, float32, Adam: its parameters,
+gradients and Adam's two moments take ``16 P`` bytes. At ``N`` ranks a ZeRO-3 rank holds
+``16 P / N`` of them during a step, and gathers a few layers at a time, so the budget is set to
+``16 P / N + 16 P / depth`` (a rank's share, and four layers' parameters; rounded up to a MiB):
+with 12 layers the model's training state is 1.7 budgets at 2 ranks, 2.4 at 3 and 3.0 at 4. No
+sharding that keeps everything on the rank (no offload) fits 3 budgets at 2 or 3 ranks: the
+sharded state alone is ``16 P / N``.
+
+Each variant, on every rank, in its own allocator-counted window (``hybrid.bench._live``): build
+on the meta device, materialise, load a checkpoint (hybrid's own files for ZeRO3, torch's
+``torch.distributed.checkpoint`` for FSDP2, both written earlier in the run by the same variant),
+and 3 training steps; the peak over the window is compared with the budget. Then their steps are
+timed interleaved, FSDP2 twice per round for the A/A row.
+
+Variants: ``fsdp2``; ``hybrid_zero3`` (``ZeRO3(meta_model)``, the speed-first default);
+``hybrid_zero3_memory`` (``policy="memory"``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import math
+import os
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid._table import format_table, human_bytes
+from hybrid.bench._stats import Ratio, ratio_table, rotated
+
+VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory")
+REFERENCE = "fsdp2"
+ROUND = (*VARIANTS, REFERENCE + "'")
+MODEL = {"width": 1024, "depth": 12}
+QUICK_MODEL = {"width": 256, "depth": 8}
+
+
+def num_params(width: int, depth: int) -> int:
+    return depth * (width * width + width)
+
+
+def budget_bytes(width: int, depth: int, world: int) -> int:
+    """The per-rank budget: a ZeRO-3 rank's share of the training state, and four layers' parameters."""
+    state = 16 * num_params(width, depth)
+    return math.ceil((state / world + state / depth) / 2**20) * 2**20
+
+
+def _mlp(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _build(name: str, width: int, depth: int):
+    """``(module, optimizer)`` of a variant, from a meta-device build."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hybrid.torch import ZeRO3, ZeRO3Optimizer
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _mlp(width, depth)
+    if name == "fsdp2":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # named: a GPU host's default is CUDA
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed")
+    return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3)
+
+
+def _save(name: str, net, opt, path: str) -> None:
+    if name == "fsdp2":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(net, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    else:
+        from hybrid.checkpoint import torch as checkpoint
+
+        checkpoint.save(path, net, opt, step=1)
+
+
+def _load(name: str, net, opt, path: str) -> None:
+    if name == "fsdp2":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(net, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(net, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:
+        from hybrid.checkpoint import torch as checkpoint
+
+        checkpoint.load(path, net, opt)
+
+
+def _step(net, opt, x) -> None:
+    net(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def worker(rank: int, world: int, port: int, outdir: str, model: dict, batch: int, reps: int, warmup: int) -> None:
+    from hybrid.bench import _live
+
+    warnings.simplefilter("ignore")  # torch's own FutureWarnings and UserWarnings in FSDP2 and DCP
+    _live.install()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    width, depth = model["width"], model["depth"]
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+    paths = {name: os.path.join(outdir, f"ckpt-{world}-{name}") for name in VARIANTS}
+    for name in VARIANTS:  # the checkpoints the measured loads read, written outside their windows
+        net, opt = _build(name, width, depth)
+        _step(net, opt, x)
+        _save(name, net, opt, paths[name])
+        del net, opt
+    memory, runs = {}, {}
+    for name in VARIANTS:
+        gc.collect()
+        base = _live.live_bytes()
+        _live.reset_peak()
+        t0 = time.perf_counter()
+        net, opt = _build(name, width, depth)
+        build = (_live.peak_bytes() - base, time.perf_counter() - t0)
+        _load(name, net, opt, paths[name])
+        load = _live.peak_bytes() - base
+        for _ in range(3):
+            _step(net, opt, x)
+        memory[name] = {"build": build[0], "build_s": build[1], "load": load, "peak": _live.peak_bytes() - base,
+                        "held": _live.live_bytes() - base}
+        runs[name] = (net, opt)
+        del net, opt
+    times = {name: [] for name in ROUND}
+    for it in range(warmup + reps):
+        for name in rotated(list(ROUND), it):
+            net, opt = runs[name.rstrip("'")]
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(net, opt, x)
+            if it >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    torch.save({"memory": memory, "times": times}, os.path.join(outdir, f"budget-world{world}-rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
+    """``results[world]``: every rank's saved dict. The fullest rank's bytes per variant against
+    the budget and FSDP2, then the step times and the ratio table."""
+    width, depth = model["width"], model["depth"]
+    p = num_params(width, depth)
+    lines = [f"model: {depth} x Linear({width}, {width}) + tanh, {p} parameters; parameters, gradients and "
+             f"Adam's moments {human_bytes(16 * p)} (float32)"]
+    rows, step_rows, groups = [], [], {}
+    for world, ranks in results.items():
+        budget = budget_bytes(width, depth, world)
+        fullest = {name: {k: max(r["memory"][name][k] for r in ranks) for k in ("build", "load", "peak", "held")}
+                   for name in VARIANTS}
+        for name in VARIANTS:
+            m = fullest[name]
+            rows.append([world, f"{human_bytes(budget)} ({16 * p / budget:.2f}x)", name, human_bytes(m["build"]),
+                         human_bytes(m["load"]), human_bytes(m["peak"]), f"{m['peak'] / budget:.3f}",
+                         f"{m['peak'] / fullest[REFERENCE]['peak']:.3f}", "yes" if m["peak"] <= budget else "NO"])
+        times = ranks[0]["times"]
+        med = {name: statistics.median(t) for name, t in times.items()}
+        group = f"{world} ranks"
+        step_rows += [[group, name, round(med[name] * 1e3, 1), round(med[name] / med[REFERENCE], 3)]
+                      for name in VARIANTS]
+        groups[group] = ([Ratio(name, REFERENCE, times[name], times[REFERENCE]) for name in VARIANTS[1:]],
+                         Ratio(REFERENCE + "'", REFERENCE, times[REFERENCE + "'"], times[REFERENCE]))
+        if jax_rows and world in jax_rows:
+            j = jax_rows[world]
+            rows.append([world, f"{human_bytes(budget)}", "jax_zero3 (held)", human_bytes(j["init_held"]), "",
+                         human_bytes(j["held"]), f"{j['held'] / budget:.3f}", "", "yes" if j["held"] <= budget else "NO"])
+            rows.append([world, "", "jax_zero3 (+ step temp)", human_bytes(j["init_held"] + j["init_temp"]), "",
+                         human_bytes(j["held"] + j["step_temp"]), f"{(j['held'] + j['step_temp']) / budget:.3f}", "",
+                         "yes" if j["held"] + j["step_temp"] <= budget else "NO"])
+    lines += ["", "peak per rank (the fullest rank), allocator-counted, from before the meta build: through the build, "
+              "the load, and 3 steps", format_table(
+                  ["ranks", "budget (model / budget)", "variant", "build", "+ load", "+ 3 steps", "/ budget",
+                   "/ FSDP2", "within"], rows),
+              "", "step time, rank 0, medians of interleaved steps (forward + backward + Adam + zero_grad)",
+              format_table(["group", "variant", "ms", "/ fsdp2 (medians)"], step_rows), "", ratio_table(groups, group="group")]
+    return "\n".join(lines)
