@@ -36,7 +36,7 @@ import statistics
 import time
 import warnings
 
-from hybrid._table import format_table
+from hybrid.cli._table import format_table
 from hybrid.bench._stats import NEIGHBOUR_REPS, Ratio, neighbour_reps, ratio_table, rotated
 
 WORLD_SIZE = 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from hybrid._examples import gpt2_small
+from hybrid.models._examples import gpt2_small
 from hybrid.core import TensorSpec, plan_buckets
 from hybrid.kernels._projection import H100_SXM, Device, project_plan, transformer_step_seconds
 

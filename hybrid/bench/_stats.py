@@ -14,7 +14,7 @@ import statistics
 import textwrap
 from collections.abc import Mapping, Sequence
 
-from hybrid._table import format_table
+from hybrid.cli._table import format_table
 
 # How the A/A row of a benchmark is measured, for the legend.
 TIMED_TWICE = "the reference path timed twice in every repetition, its second time over its first"

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid._table import format_table, human_bytes
+from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 VARIANTS = ("ddp_adam", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "hybrid_zero3_memory", "fsdp2")

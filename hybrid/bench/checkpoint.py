@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 
-from hybrid._table import format_table
+from hybrid.cli._table import format_table
 from hybrid.bench._stats import NEIGHBOUR_REPS, Ratio, neighbour_reps, ratio_table
 
 WORLD_SIZE = 2

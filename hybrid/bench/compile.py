@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hybrid._table import format_table
+from hybrid.cli._table import format_table
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 
 _MB = 1 << 20

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from hybrid._table import format_table
+from hybrid.cli._table import format_table
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 from hybrid.core import TensorSpec, pack, plan_buckets, unpack
 

@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hybrid._table import format_table, human_bytes
+from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench import gpt
 from hybrid.bench._stats import Ratio, ratio_table, rotated
 

@@ -30,23 +30,12 @@ import hybrid.jax as hj
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan
 from hybrid.jax._specs import _Layout
 from hybrid.demo._checkpointing import Checkpointing
-from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, param_order
+from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params
+from hybrid.models._mlp import param_order
+from hybrid.models._mlp_jax import cross_entropy, jax_params
 
 AXIS = "dp"
 Progress = Callable[[int, float], None]
-
-
-def jax_params(params: dict[str, np.ndarray]) -> dict:
-    """The pytree the JAX twin reads: ``{"layers": [{"weight": w, "bias": b}, ...]}``, whose key
-    paths (``hybrid.jax.specs``) are torch's names: ``layers.0.weight`` ...
-
-    >>> from hybrid.demo import init_params
-    >>> [s.name for s in hj.specs(jax_params(init_params(0, (3, 2))))]
-    ['layers.0.bias', 'layers.0.weight']
-    """
-    n = len(params) // 2
-    return {"layers": [{"weight": jnp.asarray(params[f"layers.{i}.weight"]),
-                        "bias": jnp.asarray(params[f"layers.{i}.bias"])} for i in range(n)]}
 
 
 def host(x) -> np.ndarray:
@@ -57,21 +46,6 @@ def host(x) -> np.ndarray:
 def numpy_params(tree) -> dict[str, np.ndarray]:
     """Back to numpy by name, in registration order (this process's copy of replicated arrays)."""
     return {f"layers.{i}.{k}": host(layer[k]) for i, layer in enumerate(tree["layers"]) for k in ("weight", "bias")}
-
-
-def mlp_logits(params, x):
-    """The twin MLP: ``x @ W.T + b`` per layer (``nn.Linear``), tanh between layers."""
-    layers = params["layers"]
-    for i, layer in enumerate(layers):
-        x = x @ layer["weight"].T + layer["bias"]
-        if i < len(layers) - 1:
-            x = jnp.tanh(x)
-    return x
-
-
-def cross_entropy(params, x, y):
-    """Mean cross-entropy over the rows given (``torch.nn.functional.cross_entropy``'s mean)."""
-    return optax.losses.softmax_cross_entropy_with_integer_labels(mlp_logits(params, x), y).mean()
 
 
 def pin_jax_numerics() -> None:

@@ -1,10 +1,8 @@
-"""The twin models' numpy half: configuration, initial parameters, data and the rows of each rank.
+"""The demo's runs, numpy half: configuration, initial parameters, data and the rows of each rank.
 
-Two model pairs train here. The MLP: the torch module (``_torch_run.TorchMLP``) and the JAX
-function (``_jax_run.mlp_logits``) are one MLP written twice, ``Linear -> tanh -> ... -> Linear``
-with parameters named as torch's ``nn.ModuleList`` of ``nn.Linear`` names them
-(``layers.0.weight`` of shape ``(out, in)``, ``layers.0.bias``, ...); both start from the arrays
-:func:`init_params` returns and read the batches :func:`global_batch` makes. The GPT
+Two model pairs train here, both from ``hybrid.models``. The twin MLP: one MLP written for each
+framework (``hybrid.models.TorchMLP``, ``hybrid.models.mlp_logits``), both starting from the
+arrays ``hybrid.models.init_params`` returns and reading the batches :func:`global_batch` makes. The GPT
 (``TrainConfig(gpt=...)``): ``hybrid.models``' torch and flax halves, crossed by their declared
 mapping, on a synthetic token stream (``_tokens.py``). Either way the two frameworks start from
 the same weights and read the same batches (:func:`initial_params`, :func:`batch`), so they
@@ -17,8 +15,9 @@ import dataclasses
 
 import numpy as np
 
-from hybrid.core import BucketPlan, TensorSpec
+from hybrid.core import BucketPlan
 from hybrid.models._config import GPTConfig
+from hybrid.models._mlp import init_params
 
 _CENTER_SCALE = 0.35
 
@@ -112,41 +111,6 @@ class TrainResult:
     seconds: float
     start_step: int = 0
     plan: BucketPlan | None = None
-
-
-def param_order(sizes) -> list[str]:
-    """Parameter names in torch's registration order (the ``order=`` to give ``hybrid.jax``).
-
-    >>> param_order((3, 2))
-    ['layers.0.weight', 'layers.0.bias']
-    """
-    return [f"layers.{i}.{kind}" for i in range(len(sizes) - 1) for kind in ("weight", "bias")]
-
-
-def param_specs(sizes) -> list[TensorSpec]:
-    """TensorSpecs of the model in registration order, what both frontends plan buckets on.
-
-    >>> [(s.name, s.shape) for s in param_specs((3, 2))]
-    [('layers.0.weight', (2, 3)), ('layers.0.bias', (2,))]
-    """
-    return [TensorSpec(f"layers.{i}.{kind}", (n_out, n_in) if kind == "weight" else (n_out,), "float32")
-            for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])) for kind in ("weight", "bias")]
-
-
-def init_params(seed: int, sizes) -> dict[str, np.ndarray]:
-    """float32 initial parameters by name, in registration order, drawn as ``nn.Linear`` draws them
-    (uniform in ``+-1/sqrt(fan_in)``) but from numpy, so both frameworks start from the same bits.
-
-    >>> p = init_params(0, (3, 2))
-    >>> list(p), p["layers.0.weight"].shape, p["layers.0.weight"].dtype
-    (['layers.0.weight', 'layers.0.bias'], (2, 3), dtype('float32'))
-    """
-    rng = np.random.default_rng([seed, 0])
-    out = {}
-    for spec in param_specs(sizes):
-        bound = 1.0 / np.sqrt(sizes[int(spec.name.split(".")[1])])
-        out[spec.name] = rng.uniform(-bound, bound, size=spec.shape).astype(np.float32)
-    return out
 
 
 def global_batch(seed: int, step: int, sizes, global_batch_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,41 +21,10 @@ from torch import nn
 from hybrid.demo._checkpointing import Checkpointing
 from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params, rank_rows
 from hybrid.demo._world import COLLECTIVE_TIMEOUT_S, free_port, spawn_world  # noqa: F401 - re-exported
+from hybrid.models._mlp_torch import hold_params, torch_model
 from hybrid.torch import DistributedDataParallel, ZeRO2, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer
 
 Progress = Callable[[int, float], None]  # (step, global loss), called on rank 0 after each step
-
-
-class TorchMLP(nn.Module):
-    """The twin MLP: ``nn.Linear`` layers in a ``ModuleList`` named ``layers``, tanh between them.
-
-    >>> [n for n, _ in TorchMLP((3, 4, 2)).named_parameters()]
-    ['layers.0.weight', 'layers.0.bias', 'layers.1.weight', 'layers.1.bias']
-    """
-
-    def __init__(self, sizes):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.tanh(x)
-        return x
-
-
-def torch_model(params: dict[str, np.ndarray]) -> TorchMLP:
-    """A :class:`TorchMLP` holding copies of ``params`` (names and shapes as :func:`init_params`).
-
-    >>> from hybrid.demo import init_params
-    >>> p = init_params(0, (3, 2))
-    >>> bool((torch_model(p).layers[0].weight.detach().numpy() == p["layers.0.weight"]).all())
-    True
-    """
-    sizes = [params["layers.0.weight"].shape[1]] + [
-        params[f"layers.{i}.weight"].shape[0] for i in range(len(params) // 2)]
-    return _holding(TorchMLP(sizes), params)
 
 
 def torch_module(config: TrainConfig, params: dict[str, np.ndarray]) -> nn.Module:
@@ -72,19 +41,7 @@ def torch_module(config: TrainConfig, params: dict[str, np.ndarray]) -> nn.Modul
     if config.gpt is None:
         return torch_model(params)
     from hybrid.models import TorchGPT
-    return _holding(TorchGPT(config.gpt), params)
-
-
-def _holding(model: nn.Module, params: dict[str, np.ndarray]) -> nn.Module:
-    own = dict(model.named_parameters())
-    if list(own) != list(params):
-        raise ValueError(f"params must be named {list(own)} in that order, got {list(params)}")
-    with torch.no_grad():
-        for name, value in params.items():
-            if own[name].shape != value.shape:
-                raise ValueError(f"{name}: shape {value.shape}, the model has {tuple(own[name].shape)}")
-            own[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
-    return model
+    return hold_params(TorchGPT(config.gpt), params)
 
 
 def _loss(config: TrainConfig, ddp, x: np.ndarray, y: np.ndarray) -> torch.Tensor:

@@ -1,8 +1,14 @@
-"""A GPT-2-style decoder written twice, as torch users and as flax users write it, and the mapping
-between the two (``GPT_MAPPING``). See docs/models.md.
+"""The models hybrid trains in both frameworks, in one place. See docs/models.md.
 
-The torch and flax halves are imported on first use (PEP 562): a torch process that reads
-``GPTConfig`` does not import JAX, and a JAX one does not import torch.
+- The GPT pair: a GPT-2-style decoder written twice, as torch users and as flax users write it
+  (``TorchGPT``, ``FlaxGPT``), and the mapping between the two (``GPT_MAPPING``).
+- The twin MLP: ``Linear -> tanh -> ... -> Linear`` written for each framework (``TorchMLP``,
+  ``mlp_logits``), from the same numpy initial values (``init_params``) under torch's names.
+- The built-in example models of ``python -m hybrid plan --model`` as TensorSpec lists
+  (``EXAMPLES``: GPT-2 small in Hugging Face's naming, an MLP, a convnet, a mixed-dtype MLP).
+
+Each half is imported on first use (PEP 562): a torch process that reads ``GPTConfig`` does not
+import JAX, and a JAX one does not import torch.
 """
 
 import importlib
@@ -13,6 +19,16 @@ _WHERE = {
     "TorchGPT": ("hybrid.models._gpt_torch", "GPT"),
     "FlaxGPT": ("hybrid.models._gpt_flax", "GPT"),
     "flax_loss": ("hybrid.models._gpt_flax", "loss_fn"),
+    "init_params": "hybrid.models._mlp",
+    "param_order": "hybrid.models._mlp",
+    "param_specs": "hybrid.models._mlp",
+    "TorchMLP": "hybrid.models._mlp_torch",
+    "torch_model": "hybrid.models._mlp_torch",
+    "hold_params": "hybrid.models._mlp_torch",
+    "mlp_logits": "hybrid.models._mlp_jax",
+    "cross_entropy": "hybrid.models._mlp_jax",
+    "jax_params": "hybrid.models._mlp_jax",
+    "EXAMPLES": "hybrid.models._examples",
 }
 
 
@@ -27,4 +43,5 @@ def __dir__():
     return sorted(__all__)
 
 
-__all__ = ["FlaxGPT", "GPTConfig", "GPT_MAPPING", "TorchGPT", "flax_loss"]
+__all__ = ["EXAMPLES", "FlaxGPT", "GPTConfig", "GPT_MAPPING", "TorchGPT", "TorchMLP", "cross_entropy", "flax_loss",
+           "hold_params", "init_params", "jax_params", "mlp_logits", "param_order", "param_specs", "torch_model"]

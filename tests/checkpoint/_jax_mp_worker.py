@@ -33,7 +33,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 import hybrid.checkpoint._protocol as protocol  # noqa: E402
 from hybrid.demo import TrainConfig, build_jax, train_jax, train_jax_steps  # noqa: E402
 from hybrid.checkpoint import jax as ckpt  # noqa: E402
-from hybrid.demo._jax_run import global_array, jax_params, zero_layout  # noqa: E402
+from hybrid.demo._jax_run import global_array, zero_layout  # noqa: E402
+from hybrid.models import jax_params  # noqa: E402
 
 JOB = json.loads(sys.argv[5])
 MESH = Mesh(np.array(jax.devices()), ("dp",))  # process 0's devices first: device r is rank r

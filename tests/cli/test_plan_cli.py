@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hybrid._examples import EXAMPLES
+from hybrid.models import EXAMPLES
 from hybrid.core import partition_params, plan_buckets
 
 

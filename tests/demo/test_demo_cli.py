@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hybrid import cli
-from hybrid._demo_cli import default_out
+from hybrid.cli.demo import default_out
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -125,7 +125,7 @@ def test_a_second_demo_on_the_same_folder_is_refused(tmp_path):
     run holds the folder and how to give it its own."""
     import fcntl
 
-    from hybrid._demo_cli import LOCK_NAME
+    from hybrid.cli.demo import LOCK_NAME
     with open(tmp_path / LOCK_NAME, "w") as held:
         held.write("pid 4242, started 2026-11-27 12:00:00\n")
         held.flush()
@@ -142,7 +142,7 @@ def test_a_second_demo_on_the_same_folder_is_refused(tmp_path):
 def test_progress_is_a_bar_on_a_terminal_and_whole_lines_in_a_log(monkeypatch):
     import io
 
-    from hybrid._demo_cli import PlainProgress, _bar
+    from hybrid.cli.demo import PlainProgress, _bar
 
     class Terminal(io.StringIO):
         def isatty(self):

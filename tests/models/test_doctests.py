@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["hybrid.models._config", "hybrid.models._gpt_torch", "hybrid.models._gpt_flax", "hybrid.parity._bridge"]
+MODULES = ["hybrid.models._config", "hybrid.models._gpt_torch", "hybrid.models._gpt_flax", "hybrid.models._mlp",
+           "hybrid.models._mlp_torch", "hybrid.models._mlp_jax", "hybrid.parity._bridge"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-MODULES = ["hybrid.parity._spec", "hybrid.parity._report", "hybrid.parity._harness", "hybrid._parity_cli"]
+MODULES = ["hybrid.parity._spec", "hybrid.parity._report", "hybrid.parity._harness", "hybrid.cli.parity"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -85,17 +85,17 @@ def test_without_the_torch_half_names_are_derived_by_the_rules():
 def test_a_different_plan_is_reported_with_its_first_bucket():
     """The check can fail: the registration-order plan (what torch's DDP holds before its rebuild)
     against torch's rebuilt buckets."""
-    from hybrid._plan_pair import _torch_check
+    from hybrid.cli._plan_pair import _torch_check
     from hybrid.core import plan_buckets
     from hybrid.torch import specs
 
-    class Args:  # --bucket-cap-mb 0.02 given: torch's first bucket is capped at 0.02 too
-        bucket_cap_mb = first_bucket_cap_mb = bucket_cap_mb_given = 0.02
+    from hybrid.cli._plan_options import Caps
 
     module, loss = _pairs.torch_gpt()
-    cap = int(0.02 * MiB)
-    before_rebuild = plan_buckets(specs(module), bucket_cap_bytes=cap, first_bucket_cap_bytes=cap)
-    check = _torch_check((module, loss), _pairs.gpt_data(0), before_rebuild, Args)
+    caps = Caps(bucket_cap_mb=0.02)  # given: torch's first bucket is capped at 0.02 MiB too
+    before_rebuild = plan_buckets(specs(module), bucket_cap_bytes=caps.bucket_cap_bytes,
+                                  first_bucket_cap_bytes=caps.first_bucket_cap_bytes)
+    check = _torch_check((module, loss), _pairs.gpt_data(0), before_rebuild, caps)
     assert not check["equal"] and check["first_difference"] == 0
 
 

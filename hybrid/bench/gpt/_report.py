@@ -14,7 +14,7 @@ import json
 import os
 import statistics
 
-from hybrid._table import format_table, human_bytes
+from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table
 
 # The issue's goals: every pair's step at or under 1.00x its reference; ZeRO3's peak memory at or

@@ -59,12 +59,11 @@ def _problem(args) -> str | None:
     return None
 
 
-def tolerance_of(args):
-    """The :class:`~hybrid.parity.Tolerance` of ``--tolerance`` and ``--param-tolerance``; a
-    ValueError naming the option for a malformed one.
+def tolerance_of(tolerance: str | None, param_tolerance: list[str] = ()):
+    """The :class:`~hybrid.parity.Tolerance` of ``--tolerance`` and ``--param-tolerance`` (their
+    texts); a ValueError naming the option for a malformed one.
 
-    >>> import argparse
-    >>> tolerance_of(argparse.Namespace(tolerance="1e-5,1e-6,1e-3,1e-4", param_tolerance=["h.*.bias=0,1e-3"]))
+    >>> tolerance_of("1e-5,1e-6,1e-3,1e-4", ["h.*.bias=0,1e-3"])
     Tolerance(loss_rtol=1e-05, loss_atol=1e-06, param_rtol=0.001, param_atol=0.0001, per_tensor=(('h.*.bias', 0.0, 0.001),))
     """
     from hybrid.parity._report import Tolerance
@@ -78,9 +77,9 @@ def tolerance_of(args):
             raise ValueError(f"{option} wants {n} comma-separated numbers, got {text!r}")
         return values
 
-    base = numbers(args.tolerance, 4, "--tolerance") if args.tolerance else []
+    base = numbers(tolerance, 4, "--tolerance") if tolerance else []
     per_tensor = []
-    for item in args.param_tolerance:
+    for item in param_tolerance:
         pattern, sep, pair = item.partition("=")
         if not sep or not pattern:
             raise ValueError(f"--param-tolerance wants PATTERN=RTOL,ATOL, got {item!r}")
@@ -109,7 +108,7 @@ def run(args) -> int:
     try:
         optimizer = OptimizerSpec(args.optimizer, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
                                   momentum=args.momentum)
-        tolerance = tolerance_of(args)
+        tolerance = tolerance_of(args.tolerance, args.param_tolerance)
         mapping = None
         if args.mapping:
             found = load_reference(args.mapping, "--mapping")

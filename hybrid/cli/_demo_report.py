@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hybrid._table import format_table, human_bytes
+from hybrid.cli._table import format_table, human_bytes
+
+if TYPE_CHECKING:  # annotations only: the command imports this module
+    from hybrid.cli.demo import DemoOptions
 
 # Per step the losses agree within tests/parity's tolerance (float32 computed in two orders).
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -18,21 +22,21 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def print_model(config, params: dict, args) -> None:
+def print_model(config, params: dict, options: DemoOptions) -> None:
     count = sum(a.size for a in params.values())
     if config.gpt is None:
         print(f"Model: the twin MLP {'-'.join(map(str, config.sizes))} (hybrid.demo), {count:,} parameters in "
               f"{len(params)} tensors, the same numpy init on both sides.")
-        rows = f"{args.batch_size} rows"
+        rows = f"{options.batch_size} rows"
     else:
         g = config.gpt
         print(f"Model: hybrid.models' GPT pair (torch TorchGPT, flax FlaxGPT): {g.n_layer} blocks of {g.n_head} heads, "
               f"width {g.n_embd}, {g.vocab_size} tokens; {count:,} parameters in {len(params)} tensors. Both start "
               f"from torch's init, crossed to flax's names and layouts by hybrid.models.GPT_MAPPING.")
-        rows = f"a synthetic token stream, {args.batch_size} rows of {config.seq_len} tokens"
+        rows = f"a synthetic token stream, {options.batch_size} rows of {config.seq_len} tokens"
     caps = ("ZeRO3's default plan (hybrid.core.zero3_plan: a cap of 1/16 of the parameters, within 1 and 25 MiB)"
             if config.stage == 3 else "torch's defaults (1 MiB first bucket, then 25 MiB)")
-    print(f"Data: {rows} per step (seed {config.seed}), split evenly over {args.world_size} ranks / devices. "
+    print(f"Data: {rows} per step (seed {config.seed}), split evenly over {options.world_size} ranks / devices. "
           f"Bucket caps: {caps} on both sides.\n")
 
 
@@ -81,27 +85,27 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     return max((float(np.max(np.abs(a[k] - b[k]))), k) for k in a)
 
 
-def print_parity(config, torch_run, jax_run, resumed, args) -> str | None:
+def print_parity(config, torch_run, jax_run, resumed, options: DemoOptions) -> str | None:
     """The parity and hand-over figures; None if all agree within the tolerances, else why not."""
     t, j, r = torch_run.losses, jax_run.losses, resumed.losses
-    tail = slice(args.save_at, None)
+    tail = slice(options.save_at, None)
     loss_diff = float(np.max(np.abs(t - j)))
     params_diff, worst = _max_diff(torch_run.params, jax_run.params)
-    print(f"Parity over {args.steps} steps: max |torch - jax| of the loss {loss_diff:.1e} "
+    print(f"Parity over {options.steps} steps: max |torch - jax| of the loss {loss_diff:.1e} "
           f"(relative {float(np.max(np.abs(t - j) / np.abs(t))):.1e}); of the final parameters {params_diff:.1e} "
           f"(in {worst})")
     if config.gpt is not None:
         print("  (judged on the losses: Adam turns gradients that are rounding noise on both sides, like the attention "
               "key bias's, into steps of up to lr; docs/moving-runs.md)")
     r_torch, r_jax = _max_diff(torch_run.params, resumed.params)[0], _max_diff(jax_run.params, resumed.params)[0]
-    print(f"Hand-over: JAX on {args.resume_world_size} devices resumed torch's step-{args.save_at} checkpoint; "
-          f"against the uninterrupted runs, steps {args.save_at}..{args.steps - 1}:")
+    print(f"Hand-over: JAX on {options.resume_world_size} devices resumed torch's step-{options.save_at} checkpoint; "
+          f"against the uninterrupted runs, steps {options.save_at}..{options.steps - 1}:")
     print(f"  loss max |resumed - torch| {float(np.max(np.abs(r - t[tail]))):.1e}, "
           f"|resumed - jax| {float(np.max(np.abs(r - j[tail]))):.1e}; final parameters max |resumed - torch| "
           f"{r_torch:.1e}, |resumed - jax| {r_jax:.1e}")
     every = np.concatenate([t, j, r])
     if not np.isfinite(every).all():
-        return f"training diverged (a loss is not finite): try a smaller --lr than {args.lr}"
+        return f"training diverged (a loss is not finite): try a smaller --lr than {options.lr}"
     for name, other, losses in (("jax", jax_run, j), ("jax resumed", resumed, r)):
         if not np.allclose(losses, t[len(t) - len(losses):], **LOSS_TOL):
             return f"torch's and {name}'s losses differ beyond rtol {LOSS_TOL['rtol']} / atol {LOSS_TOL['atol']}"
@@ -117,27 +121,27 @@ def _positive(d: np.ndarray) -> tuple[np.ndarray, int]:
     return np.where(d > 0, d, np.nan), int(np.sum(d == 0))
 
 
-def plot(path: Path, torch_run, jax_run, resumed, args) -> None:
+def plot(path: Path, torch_run, jax_run, resumed, options: DemoOptions) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, par) = plt.subplots(1, 2, figsize=(12, 4.2))
     steps = np.arange(len(torch_run.losses))
-    later = steps[args.save_at:]
-    ax.plot(steps, torch_run.losses, label=f"torch: DDP + ZeRO-{args.stage}, {args.world_size} ranks", lw=2.5, alpha=0.6)
-    ax.plot(steps, jax_run.losses, "--", label=f"JAX: zero stage {args.stage}, {args.world_size} devices")
-    ax.plot(later, resumed.losses, ":", lw=2.5, label=f"JAX, {args.resume_world_size} devices, resumed from torch's checkpoint")
+    later = steps[options.save_at:]
+    ax.plot(steps, torch_run.losses, label=f"torch: DDP + ZeRO-{options.stage}, {options.world_size} ranks", lw=2.5, alpha=0.6)
+    ax.plot(steps, jax_run.losses, "--", label=f"JAX: zero stage {options.stage}, {options.world_size} devices")
+    ax.plot(later, resumed.losses, ":", lw=2.5, label=f"JAX, {options.resume_world_size} devices, resumed from torch's checkpoint")
     for a in (ax, par):
-        a.axvline(args.save_at, color="grey", lw=0.8)
+        a.axvline(options.save_at, color="grey", lw=0.8)
         a.set_xlabel("step")
-    ax.annotate("checkpoint", (args.save_at, ax.get_ylim()[1]), ha="left", va="top", fontsize=8, color="grey")
+    ax.annotate("checkpoint", (options.save_at, ax.get_ylim()[1]), ha="left", va="top", fontsize=8, color="grey")
     ax.set_ylabel("cross-entropy (global batch)")
-    ax.set_title(f"hybrid: one plan, two frameworks ({args.model})")
+    ax.set_title(f"hybrid: one plan, two frameworks ({options.model})")
     ax.legend(fontsize=8)
     for x, d, style, label in ((steps, np.abs(torch_run.losses - jax_run.losses), "o-", "|torch - JAX|"),
-                               (later, np.abs(resumed.losses - torch_run.losses[args.save_at:]), "s:",
-                                f"|JAX resumed on {args.resume_world_size} - torch|")):
+                               (later, np.abs(resumed.losses - torch_run.losses[options.save_at:]), "s:",
+                                f"|JAX resumed on {options.resume_world_size} - torch|")):
         y, zeros = _positive(d)
         par.semilogy(x, y, style, ms=3,
                      label=label + (f" ({zeros} step{'s' * (zeros > 1)} exactly 0, not drawn)" if zeros else ""))

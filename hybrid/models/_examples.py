@@ -1,4 +1,4 @@
-"""Built-in example models for ``python -m hybrid plan``, as TensorSpec lists (no framework needed)."""
+"""Built-in example models for ``python -m hybrid plan --model``, as TensorSpec lists (no framework needed)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ The model is hybrid.models' GPT pair by default (``--model mlp``: the small twin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -180,13 +181,13 @@ def _progress(bar):
     return progress
 
 
-def _run_torch(config, args, params, checkpoint: Path):
+def _run_torch(config, options: DemoOptions, params, checkpoint: Path):
     from hybrid.demo import launch_torch
 
-    what = "ZeRO3" if args.stage == 3 else f"DDP + ZeRO-{args.stage}"
-    with _bar(f"torch  {what}, {args.world_size} gloo ranks", config.num_steps) as bar:
-        return launch_torch(config, world_size=args.world_size, params=params, progress=_progress(bar),
-                            save_to=str(checkpoint), save_at=args.save_at)
+    what = "ZeRO3" if options.stage == 3 else f"DDP + ZeRO-{options.stage}"
+    with _bar(f"torch  {what}, {options.world_size} gloo ranks", config.num_steps) as bar:
+        return launch_torch(config, world_size=options.world_size, params=params, progress=_progress(bar),
+                            save_to=str(checkpoint), save_at=options.save_at)
 
 
 def _run_jax(config, params, num_devices: int, desc: str, *, resume: Path | None = None, start: int = 0):
@@ -197,46 +198,70 @@ def _run_jax(config, params, num_devices: int, desc: str, *, resume: Path | None
                          resume=None if resume is None else str(resume))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """One demo run, as plain values (what the command line asks for, its defaults filled in)."""
+
+    model: str = "gpt"
+    steps: int = 40
+    world_size: int = 2
+    resume_world_size: int = 3
+    save_at: int = 20
+    stage: int = 1
+    optimizer: str = "adam"
+    lr: float = 3e-3
+    batch_size: int = 12
+    seed: int = 0
+    out: str = ""
+
+
 def run(args) -> int:
+    """The command: its arguments checked and made plain (:class:`DemoOptions`), then :func:`run_demo`."""
+    _check(args)
+    return run_demo(DemoOptions(args.model, args.steps, args.world_size, args.resume_world_size, args.save_at,
+                                args.stage, args.optimizer, args.lr, args.batch_size, args.seed, args.out))
+
+
+def run_demo(options: DemoOptions) -> int:
     """The demo; returns the exit status (1 with a message on stderr when anything fails)."""
     t0 = time.perf_counter()
-    _check(args)
-    _host_devices(max(args.world_size, args.resume_world_size))
+    _host_devices(max(options.world_size, options.resume_world_size))
     try:
-        return _demo(args, t0)
+        return _demo(options, t0)
     except Exception as e:  # noqa: BLE001 - the command's contract: a clear message, non-zero exit
         print(f"\nhybrid demo failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
 
-def _demo(args, t0: float) -> int:
-    from hybrid import _demo_report as report
+def _demo(options: DemoOptions, t0: float) -> int:
+    from hybrid.cli import _demo_report as report
     from hybrid.demo import TrainConfig, initial_params
 
-    out = Path(args.out)
+    out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     lock = hold_output(out)  # noqa: F841 - held until the process ends
     checkpoint = out / "checkpoint"
-    config = TrainConfig(seed=args.seed, global_batch_size=args.batch_size, num_steps=args.steps,
-                         optimizer=args.optimizer, lr=args.lr, stage=args.stage,
-                         weight_decay=0.01 if args.optimizer == "adamw" else 0.0,
-                         gpt=DEMO_GPT if args.model == "gpt" else None, seq_len=SEQ_LEN)
+    config = TrainConfig(seed=options.seed, global_batch_size=options.batch_size, num_steps=options.steps,
+                         optimizer=options.optimizer, lr=options.lr, stage=options.stage,
+                         weight_decay=0.01 if options.optimizer == "adamw" else 0.0,
+                         gpt=DEMO_GPT if options.model == "gpt" else None, seq_len=SEQ_LEN)
     params = initial_params(config)  # the GPT's: torch's init, which the JAX side gets through the mapping
-    report.print_model(config, params, args)
-    torch_run = _run_torch(config, args, params, checkpoint)
-    jax_run = _run_jax(config, params, args.world_size, f"jax    zero stage {args.stage}, {args.world_size} devices")
-    resumed = _run_jax(config, params, args.resume_world_size,
-                       f"jax    resume torch's step-{args.save_at} checkpoint on {args.resume_world_size} devices",
-                       resume=checkpoint, start=args.save_at)
+    report.print_model(config, params, options)
+    torch_run = _run_torch(config, options, params, checkpoint)
+    jax_run = _run_jax(config, params, options.world_size,
+                       f"jax    zero stage {options.stage}, {options.world_size} devices")
+    resumed = _run_jax(config, params, options.resume_world_size,
+                       f"jax    resume torch's step-{options.save_at} checkpoint on {options.resume_world_size} devices",
+                       resume=checkpoint, start=options.save_at)
     print()
-    same_plan = report.print_plans(torch_run, jax_run, args.world_size, args.stage)
+    same_plan = report.print_plans(torch_run, jax_run, options.world_size, options.stage)
     print()
-    report.print_losses(torch_run, jax_run, resumed, args.save_at)
+    report.print_losses(torch_run, jax_run, resumed, options.save_at)
     print()
-    agree = report.print_parity(config, torch_run, jax_run, resumed, args)
-    print(f"Checkpoint (torch, {args.world_size} rank files + manifest.json): {checkpoint}")
+    agree = report.print_parity(config, torch_run, jax_run, resumed, options)
+    print(f"Checkpoint (torch, {options.world_size} rank files + manifest.json): {checkpoint}")
     plot = out / "loss_curves.png"
-    report.plot(plot, torch_run, jax_run, resumed, args)
+    report.plot(plot, torch_run, jax_run, resumed, options)
     print(f"Plot of the loss curves and their parity: {plot}")
     print(f"Done in {time.perf_counter() - t0:.1f} s.")
     if not same_plan:

@@ -24,55 +24,35 @@ import datetime
 
 import numpy as np
 
-from hybrid._table import format_table
-from hybrid.core import MiB, BucketPlan, ParamMapping, ParamPairing
+from hybrid.cli._plan_options import Caps
+from hybrid.cli._table import format_table
+from hybrid.core import BucketPlan, ParamMapping, ParamPairing
 
 
-def add_arguments(p, source) -> None:
-    source.add_argument("--jax", metavar="PKG.MOD:FACTORY",
-                        help="a JAX model: FACTORY() -> (params, loss_fn(params, batch)), paired with torch's "
-                             "names through --mapping and planned as hybrid.jax plans it")
-    p.add_argument("--torch", metavar="PKG.MOD:FACTORY",
-                   help="with --jax: the torch half, FACTORY() -> (module, loss_fn(module, batch)); its names "
-                        "are the pairing's other side, and with --data torch's own DDP buckets are the check")
-    p.add_argument("--mapping", metavar="PKG.MOD:NAME",
-                   help="with --jax: a hybrid.core.ParamMapping (default: flax linen's rules)")
-    p.add_argument("--data", metavar="PKG.MOD:FN",
-                   help="with --jax: data(step) -> a global batch; step 0's gives the gradient-ready order (the "
-                        "plan torch's DDP holds after its rebuild): torch's own backward with --torch, else JAX's")
-
-
-def check_arguments(args) -> None:
-    if args.jax is None:
-        for name in ("torch", "mapping", "data"):
-            if getattr(args, name) is not None:
-                raise SystemExit(f"hybrid plan: --{name} goes with --jax (the JAX half it pairs with)")
-    elif args.compile:
-        raise SystemExit("hybrid plan: --compile traces a torch module: give --module, not --jax")
-
-
-def pair_plan(args) -> tuple[str, BucketPlan, dict]:
-    """The plan of ``--jax``'s tree through the mapping, and the pairing section of the report."""
+def pair_plan(jax: str, *, torch: str | None, mapping: str | None, data: str | None,
+              caps: Caps) -> tuple[str, BucketPlan, dict]:
+    """The plan of the JAX factory ``jax``'s tree through the mapping, and the pairing section of
+    the report; ``torch``, ``mapping``, ``data``: the other factories' ``"pkg.mod:name"``."""
     from hybrid.parity._spec import load_factory, load_reference
 
     from hybrid.jax._ready import gradient_ready_order
     from hybrid.jax._specs import _Layout, _leaves
 
     try:
-        params, loss_fn = load_factory(args.jax, "--jax")()
-        mapping = ParamMapping.flax() if args.mapping is None else load_reference(args.mapping, "--mapping")
-        batch = None if args.data is None else load_factory(args.data, "--data")(0)
+        params, loss_fn = load_factory(jax, "--jax")()
+        found = ParamMapping.flax() if mapping is None else load_reference(mapping, "--mapping")
+        batch = None if data is None else load_factory(data, "--data")(0)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"hybrid plan: {e}")
-    if not isinstance(mapping, ParamMapping):
-        raise SystemExit(f"hybrid plan: --mapping {args.mapping!r} is a {type(mapping).__name__}, not a "
+    if not isinstance(found, ParamMapping):
+        raise SystemExit(f"hybrid plan: --mapping {mapping!r} is a {type(found).__name__}, not a "
                          "hybrid.core.ParamMapping")
     torch_pair = None
-    if args.torch is not None:
-        import torch
-        torch.manual_seed(0)
-        torch_pair = load_factory(args.torch, "--torch")()
-    pairing = _pairing(params, mapping, torch_pair)
+    if torch is not None:
+        import torch as th
+        th.manual_seed(0)
+        torch_pair = load_factory(torch, "--torch")()
+    pairing = _pairing(params, found, torch_pair)
     ready = None if batch is None else gradient_ready_order(loss_fn, params, batch)
     section = {}
     if ready is not None and torch_pair is not None:
@@ -82,16 +62,15 @@ def pair_plan(args) -> tuple[str, BucketPlan, dict]:
     elif ready is not None:
         section["assumed_together"] = pairing.computed_together()
     layout = _Layout.of(params, what="hybrid plan", order=None, ready_order=ready, pairing=pairing,
-                        bucket_cap_bytes=int(args.bucket_cap_mb * MiB),
-                        first_bucket_cap_bytes=int(args.first_bucket_cap_mb * MiB))
+                        bucket_cap_bytes=caps.bucket_cap_bytes, first_bucket_cap_bytes=caps.first_bucket_cap_bytes)
     plan = layout.plan
     order = ("torch" if pairing.torch_ready else "ready") if ready is not None else (
         "registration" if torch_pair is not None else "leaves")
     section.update(order=order, pairing_fingerprint=pairing.fingerprint(), tensors=_rows(plan, pairing))
     if torch_pair is not None and batch is not None:
-        section["torch_check"] = _torch_check(torch_pair, batch, plan, args)
+        section["torch_check"] = _torch_check(torch_pair, batch, plan, caps)
     names, _, _ = _leaves(params)
-    return f"{args.jax} ({len(names)} JAX leaves, paired with torch's names)", plan, section
+    return f"{jax} ({len(names)} JAX leaves, paired with torch's names)", plan, section
 
 
 def _tensors(batch):
@@ -142,15 +121,16 @@ def _rows(plan: BucketPlan, pairing: ParamPairing) -> list[dict]:
     return rows
 
 
-def _torch_check(torch_pair, batch, plan: BucketPlan, args) -> dict:
-    """torch's own DistributedDataParallel on one gloo rank, two steps at the same caps: its buckets
-    after the rebuild (parameter names, as a comm hook sees them) against ``plan``'s."""
+def _torch_check(torch_pair, batch, plan: BucketPlan, caps: Caps) -> dict:
+    """torch's own DistributedDataParallel on one gloo rank, two steps, built as a user at ``caps``
+    builds it: its buckets after the rebuild (parameter names, as a comm hook sees them) against
+    ``plan``'s."""
     import torch.distributed as dist
 
-    from hybrid.demo._torch_run import free_port
+    from hybrid.demo._world import free_port
     from hybrid.parity._run_torch import torch_ddp_buckets
 
-    if args.first_bucket_cap_mb != (1.0 if args.bucket_cap_mb_given is None else args.bucket_cap_mb):
+    if not caps.as_torch_builds_them:
         # torch's DDP has no first-bucket cap argument: 1 MiB at its default cap, else the cap itself
         return {"skipped": "torch's DDP caps its first bucket at 1 MiB when bucket_cap_mb is left out and at "
                            "bucket_cap_mb when it is given; --first-bucket-cap-mb differs"}
@@ -162,7 +142,7 @@ def _torch_check(torch_pair, batch, plan: BucketPlan, args) -> dict:
         # torch exactly as a user at these flags builds it: no bucket_cap_mb argument at the default,
         # since an explicit one caps the first bucket too (torch's _BucketCapacityConfig.create)
         theirs = torch_ddp_buckets(module, lambda ddp, step: loss_fn(ddp, tensors).backward(),
-                                   bucket_cap_mb=args.bucket_cap_mb_given)
+                                   bucket_cap_mb=caps.bucket_cap_mb)
     finally:
         dist.destroy_process_group()
     ours = [[plan.specs[m].name for m in b.members] for b in plan.buckets]

@@ -8,39 +8,40 @@ backward does not hide (hybrid.core.step_cost; formulas in docs/core.md). Comput
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 from pathlib import Path
 
-from hybrid._table import format_table, human_bytes
+from hybrid.cli._table import format_table, human_bytes
 from hybrid.core import NETWORKS, STAGES, CostModel, Link, collective_seconds, plan_buckets, step_cost
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("projection (--project)")
-    g.add_argument("--project", action="store_true",
-                   help="project per-step communication at scale: DDP and ZeRO-1/2/3 on named networks")
-    g.add_argument("--ranks", default="8,64,512", help="comma-separated world sizes to project (default 8,64,512)")
-    g.add_argument("--tokens", type=int, default=8192, help="tokens (or samples) per rank per step")
-    g.add_argument("--mfu", type=float, default=0.4, help="fraction of the device's peak the compute reaches")
-    g.add_argument("--device-tflops", type=float, default=989.0, help="peak dense TFLOP/s (H100 bf16: 989)")
-    g.add_argument("--cost", metavar="FILE|measure",
-                   help="add this machine's process group: a CostModel JSON (hybrid.torch.measure_collectives "
-                        "caches one under ~/.cache/hybrid), or 'measure' to measure 2 gloo ranks here now")
+@dataclasses.dataclass(frozen=True, slots=True)
+class Projection:
+    """What ``--project`` projects at: world sizes, tokens per rank per step, the compute's speed,
+    and this machine's measured process group (``cost``: a CostModel JSON, or ``"measure"``).
 
+    >>> Projection(ranks=(8, 64)).ranks
+    (8, 64)
+    >>> Projection(ranks=(0,))
+    Traceback (most recent call last):
+    ...
+    ValueError: --ranks must all be >= 1, got (0,)
+    """
 
-def _check(args) -> list[int]:
-    try:
-        ranks = [int(r) for r in args.ranks.split(",")]
-    except ValueError:
-        raise SystemExit(f"hybrid plan: --ranks wants comma-separated integers, got {args.ranks!r}")
-    if min(ranks) < 1:
-        raise SystemExit(f"hybrid plan: --ranks must all be >= 1, got {args.ranks!r}")
-    for name, value in (("tokens", args.tokens), ("device-tflops", args.device_tflops)):
-        if not value > 0:
-            raise SystemExit(f"hybrid plan: --{name} must be > 0, got {value}")
-    if not 0 < args.mfu <= 1:
-        raise SystemExit(f"hybrid plan: --mfu must be in (0, 1], got {args.mfu}")
-    return ranks
+    ranks: tuple[int, ...] = (8, 64, 512)
+    tokens: int = 8192
+    mfu: float = 0.4
+    device_tflops: float = 989.0
+    cost: str | None = None
+
+    def __post_init__(self):
+        if not self.ranks or min(self.ranks) < 1:
+            raise ValueError(f"--ranks must all be >= 1, got {self.ranks}")
+        for name, value in (("tokens", self.tokens), ("device-tflops", self.device_tflops)):
+            if not value > 0:
+                raise ValueError(f"--{name} must be > 0, got {value}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"--mfu must be in (0, 1], got {self.mfu}")
 
 
 def _measured(source: str) -> CostModel:
@@ -53,17 +54,17 @@ def _measured(source: str) -> CostModel:
         raise SystemExit(f"hybrid plan: --cost {source}: not a readable CostModel JSON ({e})")
 
 
-def projection_report(specs, args) -> dict:
+def projection_report(specs, projection: Projection) -> dict:
     """Rows of (network, ranks, stage) with bytes sent, communication and exposed seconds."""
-    ranks = _check(args)
+    ranks = projection.ranks
     plan = plan_buckets(specs)  # torch's default caps: what a user's run gets without tuning
     num_params = sum(s.numel for s in specs)
-    compute_s = 6 * num_params * args.tokens / (args.mfu * args.device_tflops * 1e12)
+    compute_s = 6 * num_params * projection.tokens / (projection.mfu * projection.device_tflops * 1e12)
     forward_s, backward_s = compute_s / 3, 2 * compute_s / 3
     links: dict[str, dict[str, Link] | Link] = dict(NETWORKS)
     names = {k: v.name for k, v in NETWORKS.items()}
-    if args.cost:
-        model = _measured(args.cost)
+    if projection.cost:
+        model = _measured(projection.cost)
         links["measured"] = {kind: model.link(kind) for kind in model.fits}
         names["measured"] = (f"this machine: {model.about.get('backend', '?')} at {model.world_size} ranks, "
                              f"all-reduce {model.link('all_reduce').latency_s * 1e6:.0f} us, "
@@ -78,7 +79,7 @@ def projection_report(specs, args) -> dict:
                 rows.append({"network": key, "ranks": n, "stage": stage if stage == "ddp" else f"zero{stage}",
                              "bytes_sent_per_rank": c.wire_bytes, "comm_s": c.comm_s, "exposed_s": c.exposed_s,
                              "step_s": c.step_s})
-    return {"networks": names, "tokens_per_rank": args.tokens, "mfu": args.mfu, "device_tflops": args.device_tflops,
+    return {"networks": names, "tokens_per_rank": projection.tokens, "mfu": projection.mfu, "device_tflops": projection.device_tflops,
             "compute_s": compute_s, "num_buckets": plan.num_buckets, "rows": rows}
 
 
