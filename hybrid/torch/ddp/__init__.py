@@ -18,8 +18,8 @@ its parts as objects, each owning its fields; its methods delegate to them:
 - ``_mixed``: ``_mixed.MixedPrecision`` (or None): casts, the reduce dtype, its upcasting hook.
 - ``_delayed``: ``_delay.DelayedAllReduce`` (or None): ``delay_all_reduce_named_params``.
 
-Pickling is the shell's own: the process group, ``_ranks``, ``_reducer`` and ``logger`` are made
-anew on load. Beside them: ``_args`` (the constructor's arguments resolved), ``_hooks`` (torch's
+Pickling is the shell's (``_pickle``): the process group, ``_ranks``, ``_reducer`` and ``logger``
+are made anew on load. Beside them: ``_args`` (the constructor's arguments resolved), ``_hooks`` (torch's
 built-in hooks, the fused optimizer), ``_join`` (the Join hook), ``_sink`` (torch's ``_DDPSink``),
 ``_forward`` (the seam ``hybrid.torch.dynamo`` plugs into), ``_auto`` (``bucket_cap_mb="auto"``),
 ``_parts`` (which parameters DDP reduces, their specs, the comm hook's ``GradBucket``).

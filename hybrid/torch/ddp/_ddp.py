@@ -30,18 +30,14 @@ from hybrid.torch.ddp._buffers import BufferSync
 from hybrid.torch.ddp._delay import DelayedAllReduce
 from hybrid.torch.ddp._hooks import builtin_hook, register_fused_optim
 from hybrid.torch.ddp._join import _JoinHook
-from hybrid.torch.ddp._logging import DDPLogger, bucket_cap_bytes
+from hybrid.torch.ddp._logging import DDPLogger, record_construction
 from hybrid.torch.ddp._mixed import MixedPrecision, _allreduce_and_upcast_hook
 from hybrid.torch.ddp._parts import GradBucket, specs  # noqa: F401 - re-exported by hybrid.torch
 from hybrid.torch.ddp._parts import _reduced_parameters
+from hybrid.torch.ddp._pickle import pickled_state, restore_pickled
 from hybrid.torch.ddp._sink import through_sink
-from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES, RankAgreement, is_default_group
+from hybrid.torch.ddp._sync import BROADCAST_BUCKET_BYTES, RankAgreement
 from hybrid.torch.ddp.reducer import Reducer
-
-# Not pickled (torch drops its process group, reducer and logger too): made anew on load against
-# the default group. _index_of holds the parameters' ids, which a copy does not share.
-_MADE_ON_LOAD = frozenset({"process_group", "_ranks", "_reducer", "logger", "_index_of"})
-
 
 class DistributedDataParallel(nn.Module, Joinable):
     """torch's ``DistributedDataParallel``, with buckets planned by ``hybrid.core``.
@@ -156,14 +152,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             batched_grad_copy=self.batched_grad_copy, find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph, skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             auto=self._auto_caps, initial_limits=self._initial_limits, rebuild_limits=self._rebuild_limits)
-        self.logger.set_construction_data(
-            module_name=type(self.module).__name__, device_ids=self.device_ids, output_device=self.output_device,
-            broadcast_buffers=self.forward_sync_buffers,
-            has_sync_bn=any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules()),
-            static_graph=self.static_graph, process_group=self.process_group, params=self._params,
-            bucket_sizes=self._reducer.buckets.param_bytes()[0],
-            bucket_cap_bytes=bucket_cap_bytes(self._layout_settings),
-            find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view)
+        record_construction(self.logger, self)
 
     def _sync_module_states(self, src: int) -> None:
         """torch's _sync_module_states: parameters (and buffers) from ``src`` to every rank."""
@@ -394,27 +383,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- pickling, as torch's: the module and the settings; the rest made anew on load -------
 
     def __getstate__(self):
-        if self._mixed is not None:
-            self._mixed.refuse_pickling()
-        if not is_default_group(self.process_group):
-            raise self._logged(RuntimeError(
-                "DDP Pickling/Unpickling are only supported when using DDP with the default process "
-                "group. That is, when you have called init_process_group and have not passed "
-                "process_group argument to DDP constructor"), python=True)
-        return {k: v for k, v in self.__dict__.items() if k not in _MADE_ON_LOAD}
+        return pickled_state(self)
 
     def __setstate__(self, state):
         """Against the default group: the copy starts from the initial buckets, rebuilds them after
         its first iteration and, with ``static_graph``, records its first iteration again."""
         nn.Module.__setstate__(self, state)
-        self._reducer, self.logger = None, None
-        self.process_group = dist.distributed_c10d._get_default_group()
-        self._ranks = RankAgreement(self.process_group, self.device)
-        self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        if self._delayed is not None:
-            self._delayed.attach(self.process_group)
-        if not self._delay_all_reduce_all_params:
-            self._init_reducer()
+        restore_pickled(self)
 
     # ---- torch keeps these DataParallel-era helpers "for BC" (scatter, gather: its own) ------
 

@@ -214,3 +214,14 @@ class DDPLogger:
         # process's one chance is gone, so a later DDP never shows can_set_static_graph.
         global _graph_static_logged
         _graph_static_logged = True
+
+
+def record_construction(logger: DDPLogger, ddp) -> None:
+    """torch's construction-time logging data of ``ddp`` (its ``_ddp_init_helper``'s ``set_construction_data``)."""
+    logger.set_construction_data(
+        module_name=type(ddp.module).__name__, device_ids=ddp.device_ids, output_device=ddp.output_device,
+        broadcast_buffers=ddp.forward_sync_buffers,
+        has_sync_bn=any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
+        static_graph=ddp.static_graph, process_group=ddp.process_group, params=ddp._params,
+        bucket_sizes=ddp._reducer.buckets.param_bytes()[0], bucket_cap_bytes=bucket_cap_bytes(ddp._layout_settings),
+        find_unused_parameters=ddp.find_unused_parameters, gradient_as_bucket_view=ddp.gradient_as_bucket_view)
