@@ -12,7 +12,7 @@ from any other. See docs/checkpoints.md.
 """
 
 from hybrid.checkpoint._convert import convert
-from hybrid.checkpoint._files import Checkpoint, read_state
+from hybrid.checkpoint._files import Checkpoint, read_state, torch_ready_order
 from hybrid.checkpoint._formats import FORMATS, detect_format, open_checkpoint
 from hybrid.checkpoint._leftovers import Leftover, clear_leftovers, latest, leftovers
 from hybrid.checkpoint._manifest import FORMAT_VERSION, CheckpointError, FileEntry, Manifest, OptimizerInfo
@@ -22,4 +22,4 @@ from hybrid.checkpoint._write import save_arrays
 
 __all__ = ["FORMATS", "FORMAT_VERSION", "Checkpoint", "CheckpointError", "CheckpointReader", "FileEntry", "Leftover",
            "Manifest", "OptimizerInfo", "clear_leftovers", "convert", "detect_format", "latest", "leftovers",
-           "open_checkpoint", "read_state", "save_arrays", "to_torch_names"]
+           "open_checkpoint", "read_state", "save_arrays", "to_torch_names", "torch_ready_order"]

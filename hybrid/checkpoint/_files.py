@@ -16,8 +16,10 @@ import warnings
 
 import numpy as np
 
+from hybrid.core import BucketPlan
 from hybrid.checkpoint._protocol import find, staging, write_atomically
-from hybrid.checkpoint._manifest import BODY_DIGEST_KEY, MANIFEST, CheckpointError, FileEntry, Manifest, shard_file_name
+from hybrid.checkpoint._manifest import (BODY_DIGEST_KEY, DDP_PLAN_KEY, MANIFEST, CheckpointError, FileEntry, Manifest,
+                                        shard_file_name)
 from hybrid.checkpoint._reader import CheckpointReader, storage_dtype
 from hybrid.checkpoint._shard_file import ShardHeader, digest, encode, read_ranges
 
@@ -206,3 +208,26 @@ def read_state(path: str | os.PathLike) -> dict:
     {'epoch': 3, 'seed': 7}
     """
     return dict(Checkpoint(path).run_state().get("state", {}))
+
+
+def torch_ready_order(path: str | os.PathLike) -> tuple[str, ...] | None:
+    """torch's own gradient-ready order as the hybrid DDP that saved the checkpoint observed it (the
+    members of its rebuilt bucket plan, in bucket order), or None where none was recorded (saved
+    before the DDP's first rebuild, by ZeRO3, by JAX or by an older hybrid).
+
+    A JAX run that resumes it through a mapping plans as that DDP did with
+    ``pairing.with_torch_ready(torch_ready_order(path))``: the torch half's truth, with no torch
+    module at hand (docs/moving-runs.md).
+
+    >>> import numpy as np, tempfile, os
+    >>> from hybrid.checkpoint import save_arrays
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = save_arrays(d, {"w": np.zeros(2, np.float32)})
+    >>> torch_ready_order(d) is None  # no DDP saved it
+    True
+    """
+    saved = Checkpoint(path).run_state().get(DDP_PLAN_KEY)
+    if saved is None:
+        return None
+    plan = BucketPlan.from_json(saved["plan"])
+    return tuple(plan.specs[m].name for bucket in plan.buckets for m in bucket.members)

@@ -19,6 +19,9 @@ READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 # The key, in each shard file's safetensors metadata, of the digest of the manifest's body.
 BODY_DIGEST_KEY = "hybrid.manifest_body_sha256"
+# The run state's key for the rebuilt bucket plan of the hybrid DDP that saved (and its layout
+# settings): what load(..., restore_buckets=True) restores and torch_ready_order reads.
+DDP_PLAN_KEY = "ddp_buckets"
 
 
 class CheckpointError(ValueError):

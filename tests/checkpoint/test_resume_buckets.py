@@ -40,7 +40,8 @@ def _resumes(config, path, save_at, *, progress=None):
     train_torch_steps(ddp, opt, config, 0, save_at)
     checkpoint.save(path, ddp, opt, step=save_at)
     train_torch_steps(ddp, opt, config, save_at, config.num_steps)
-    out = {"uninterrupted": _final(ddp), "saved_buckets": ddp.bucket_plan.num_buckets}
+    out = {"uninterrupted": _final(ddp), "saved_buckets": ddp.bucket_plan.num_buckets,
+           "saved_order": [ddp.bucket_plan.specs[m].name for b in ddp.bucket_plan.buckets for m in b.members]}
     for restore in (False, True):
         ddp, opt = build_torch(config, start)
         checkpoint.load(path, ddp, opt, restore_buckets=restore)
@@ -53,11 +54,11 @@ def _resumes(config, path, save_at, *, progress=None):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     path = tmp_path_factory.mktemp("resume") / "ckpt"
-    return spawn_world(_resumes, CONFIG, str(path), SAVE_AT, world_size=4, timeout_s=170)
+    return spawn_world(_resumes, CONFIG, str(path), SAVE_AT, world_size=4, timeout_s=170), path
 
 
 def test_restored_buckets_resume_bit_for_bit_at_four_ranks(four_ranks):
-    out = four_ranks
+    out, _ = four_ranks
     assert out["saved_buckets"] > 1 and out["first_step_buckets/True"] == out["saved_buckets"]
     assert out["first_step_buckets/False"] == 1  # torch's: the first step in one bucket per dtype
     for name, want in out["uninterrupted"].items():
@@ -66,6 +67,15 @@ def test_restored_buckets_resume_bit_for_bit_at_four_ranks(four_ranks):
     worst = max(diffs, key=diffs.get)
     print(f"\nat 4 ranks, the default resume ends {diffs[worst]:.2e} off the uninterrupted run ({worst}); "
           f"with restore_buckets=True 0 (bit for bit)")
+
+
+def test_the_checkpoint_tells_a_jax_run_torchs_own_ready_order(four_ranks):
+    """With no torch module at hand, the checkpoint a DDP saved says torch's order: its rebuilt
+    plan's members, the order the torch run observed."""
+    from hybrid.checkpoint import torch_ready_order
+    out, path = four_ranks
+    assert list(torch_ready_order(path)) == out["saved_order"]
+    assert out["saved_order"][:2] == ["ln_f.weight", "ln_f.bias"]  # a norm: weight first, as torch's backward
 
 
 def test_restore_buckets_is_refused_where_it_cannot_apply(tmp_path):

@@ -16,9 +16,9 @@ from torch import nn
 from hybrid.checkpoint._formats import open_checkpoint
 from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.core import BucketPlan
-from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
+from hybrid.checkpoint._manifest import DDP_PLAN_KEY, CheckpointError, OptimizerInfo
 from hybrid.checkpoint.torch._state import (
-    DDP_PLAN_KEY, TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap,
+    TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap,
     expected_slots, kept_states, named_buffers, named_parameters, param_names_by_group)
 
 _NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")

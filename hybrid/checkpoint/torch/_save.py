@@ -18,12 +18,12 @@ from torch import nn
 from hybrid.core import BucketPlan, plan_buckets, rebuild_plan, shard_flat
 from hybrid.checkpoint._files import storage_dtype
 from hybrid.checkpoint._protocol import begin_save
-from hybrid.checkpoint._manifest import CheckpointError, Manifest
+from hybrid.checkpoint._manifest import DDP_PLAN_KEY, CheckpointError, Manifest
 from hybrid.checkpoint._write import buffer_entries, check_json, dtypes_of, rank_tensors, save_arrays, slice_pieces
 from hybrid.checkpoint.torch._commit import abandoned_on_failure, named_collective, write_and_commit
 from hybrid.checkpoint.torch._zero3 import save_zero3
 from hybrid.checkpoint.torch._state import (
-    DDP_PLAN_KEY, _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3,
+    _NAME_OF_CLASS, _fill_slots, _hyperparameters, _inner, _is_zero1, _is_zero2, _is_zero3,
     _local_states, _numpy, _slots_and_count, _specs, ddp_buckets, expected_slots, named_buffers, named_parameters,
     optimizer_info)
 

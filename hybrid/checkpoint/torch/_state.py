@@ -37,9 +37,6 @@ def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return _reduced_parameters(_unwrap(module))
 
 
-DDP_PLAN_KEY = "ddp_buckets"  # run_state: the rebuilt bucket plan of hybrid's DDP, and what decided it
-
-
 def ddp_buckets(module: nn.Module) -> dict | None:
     """What a resume needs to reduce in the saving DDP's buckets: its rebuilt plan and layout
     settings, for ``run_state``; None unless ``module`` is hybrid's DDP after its rebuild."""
