@@ -27,10 +27,11 @@ def _aa_rows(text: str) -> list[dict]:
 
 
 def _sane(row):
-    # Noise on a shared 2-core machine can be large, but a same-path ratio off by 20x means the
-    # row divides the wrong series (pack/copy on small tensors is ~0.003) or mixes units.
+    # Noise on a shared 2-core machine can be large, but a same-path median ratio off by 20x means
+    # the row divides the wrong series (pack/copy on small tensors is ~0.003) or mixes units. The
+    # spread's top is one rep's ratio: a single preempted microsecond rep reached 57x in a run.
     lo, paired, hi = float(row["lo"]), float(row["paired"]), float(row["hi"])
-    assert 0.05 < lo <= paired <= hi < 20, row
+    assert 0.05 < lo <= paired <= hi and paired < 20, row
 
 
 def test_pack_prints_an_aa_row_per_interleaved_pair(capsys):
