@@ -82,10 +82,27 @@ def build(name: str, widths: tuple[int, ...]):
     raise ValueError(f"unknown variant {name!r}")
 
 
-def _step(net, opt, x) -> None:
+def train_step(net, opt, x) -> None:
+    """One step of the benches' MLPs: a squared-output loss, the optimizer's step, gradients freed."""
     net(x).pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def time_rounds(runs: dict, rounds, x, *, warmup: int, reps: int) -> dict[str, list[float]]:
+    """Each round name's step times (``runs[name]``: ``(net, opt)``; a name ending in ``'`` runs its
+    variant again, the A/A row), the round rotated every repetition and each step started after a
+    barrier, so every rank times the same step; the first ``warmup`` repetitions are not kept."""
+    times = {name: [] for name in rounds}
+    for it in range(warmup + reps):
+        for name in rotated(list(rounds), it):
+            net, opt = runs[name.rstrip("'")]
+            dist.barrier()
+            t0 = time.perf_counter()
+            train_step(net, opt, x)
+            if it >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def worker(rank: int, world: int, port: int, outdir: str, models: dict, batch: int, reps: int, warmup: int) -> None:
@@ -105,26 +122,18 @@ def worker(rank: int, world: int, port: int, outdir: str, models: dict, batch: i
             base = _live.live_bytes()
             net, opt, zero3 = build(name, widths)
             for _ in range(2):  # optimizer state exists after the first step
-                _step(net, opt, x)
+                train_step(net, opt, x)
             held = _live.live_bytes() - base
             _live.reset_peak()
-            _step(net, opt, x)
+            train_step(net, opt, x)
             memory[name] = {"held": held, "peak": _live.peak_bytes() - base}
             if zero3 is not None:
                 memory[name].update(buckets=zero3.bucket_plan.num_buckets, **zero3.memory_stats())
             runs[name] = (net, opt)
             del net, opt, zero3  # the next variant's window must not see these go
-        times = {name: [] for name in ROUND}
-        for it in range(warmup + reps):
-            for name in rotated(list(ROUND), it):
-                net, opt = runs[name.rstrip("'")]
-                dist.barrier()
-                t0 = time.perf_counter()
-                _step(net, opt, x)
-                if it >= warmup:
-                    times[name].append(time.perf_counter() - t0)
+        times = time_rounds(runs, ROUND, x, warmup=warmup, reps=reps)
         result[model_name] = {"memory": memory, "times": times}
-        del runs, net, opt
+        del runs  # this model's variants go before the next model's are built
     torch.save(result, os.path.join(outdir, f"stage3-world{world}-rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

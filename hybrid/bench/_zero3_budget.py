@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.cli._table import format_table, human_bytes
-from hybrid.bench._stats import Ratio, ratio_table, rotated
+from hybrid.bench._stats import Ratio, ratio_table
+from hybrid.bench._zero3 import time_rounds, train_step
 
 VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory")
 REFERENCE = "fsdp2"
@@ -114,10 +115,6 @@ def _load(name: str, net, opt, path: str) -> None:
         checkpoint.load(path, net, opt)
 
 
-def _step(net, opt, x) -> None:
-    net(x).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def worker(rank: int, world: int, port: int, outdir: str, model: dict, batch: int, reps: int, warmup: int) -> None:
@@ -133,7 +130,7 @@ def worker(rank: int, world: int, port: int, outdir: str, model: dict, batch: in
     paths = {name: os.path.join(outdir, f"ckpt-{world}-{name}") for name in VARIANTS}
     for name in VARIANTS:  # the checkpoints the measured loads read, written outside their windows
         net, opt = _build(name, width, depth)
-        _step(net, opt, x)
+        train_step(net, opt, x)
         _save(name, net, opt, paths[name])
         del net, opt
     memory, runs = {}, {}
@@ -147,20 +144,12 @@ def worker(rank: int, world: int, port: int, outdir: str, model: dict, batch: in
         _load(name, net, opt, paths[name])
         load = _live.peak_bytes() - base
         for _ in range(3):
-            _step(net, opt, x)
+            train_step(net, opt, x)
         memory[name] = {"build": build[0], "build_s": build[1], "load": load, "peak": _live.peak_bytes() - base,
                         "held": _live.live_bytes() - base}
         runs[name] = (net, opt)
         del net, opt
-    times = {name: [] for name in ROUND}
-    for it in range(warmup + reps):
-        for name in rotated(list(ROUND), it):
-            net, opt = runs[name.rstrip("'")]
-            dist.barrier()
-            t0 = time.perf_counter()
-            _step(net, opt, x)
-            if it >= warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = time_rounds(runs, ROUND, x, warmup=warmup, reps=reps)
     torch.save({"memory": memory, "times": times}, os.path.join(outdir, f"budget-world{world}-rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

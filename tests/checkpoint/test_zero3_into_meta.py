@@ -114,12 +114,3 @@ def test_jax_stage3_checkpoint_through_the_mapping_into_meta_built_zero3(tmp_pat
         for name, value in want.items():
             np.testing.assert_array_equal(r["params"][name], value.numpy(), err_msg=name)
         _check_memory(r)
-
-
-@pytest.fixture(scope="module")
-def live_counter():
-    from hybrid.bench import _live
-    try:
-        _live._build()
-    except (RuntimeError, OSError) as e:
-        pytest.skip(f"no C++ compiler to build the allocator counter: {e}")

@@ -100,14 +100,6 @@ def _measure_model(world, rank, widths, variants):
     return report
 
 
-@pytest.fixture(scope="module")
-def live_counter():
-    from hybrid.bench import _live
-    try:
-        _live._build()
-    except (RuntimeError, OSError) as e:
-        pytest.skip(f"no C++ compiler to build the allocator counter: {e}")
-
 
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("world", [2, 3, 4])

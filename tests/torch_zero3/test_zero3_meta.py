@@ -217,12 +217,3 @@ def test_two_ranks_hold_their_slices_and_train_as_ddp(live_counter):
         assert r["slices"] <= WIDE / 2 + 4 * 8  # half the model, padding at most one element a bucket
         # Its slices, one module materialised (a Linear: 263 KB) and small change: never the model.
         assert r["build_peak"] <= r["slices"] + WIDE // 8 + (16 << 10), r
-
-
-@pytest.fixture(scope="module")
-def live_counter():
-    from hybrid.bench import _live
-    try:
-        _live._build()
-    except (RuntimeError, OSError) as e:
-        pytest.skip(f"no C++ compiler to build the allocator counter: {e}")
