@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, MiB
+from hybrid.core import MiB, ddp_size_limits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,14 +27,20 @@ class Caps:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
 
     @property
+    def _torch_caps(self) -> tuple[int, int]:
+        """``(cap, first cap)`` of torch's DDP built with this ``bucket_cap_mb``, as hybrid.core
+        says torch rebuilds its buckets (``ddp_size_limits``; equal caps are spelled once there)."""
+        given = None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * MiB)
+        limits = ddp_size_limits(bucket_cap_bytes=given)[1]
+        return limits[-1], limits[0]
+
+    @property
     def bucket_cap_bytes(self) -> int:
-        return DEFAULT_BUCKET_CAP_BYTES if self.bucket_cap_mb is None else int(self.bucket_cap_mb * MiB)
+        return self._torch_caps[0]
 
     @property
     def first_bucket_cap_bytes(self) -> int:
-        if self.first_bucket_cap_mb is not None:
-            return int(self.first_bucket_cap_mb * MiB)
-        return DEFAULT_FIRST_BUCKET_CAP_BYTES if self.bucket_cap_mb is None else self.bucket_cap_bytes
+        return self._torch_caps[1] if self.first_bucket_cap_mb is None else int(self.first_bucket_cap_mb * MiB)
 
     @property
     def size_caps(self) -> tuple[int, int]:
@@ -43,8 +49,7 @@ class Caps:
     @property
     def as_torch_builds_them(self) -> bool:
         """Whether torch's DDP can be built at these caps (it takes no first-bucket cap of its own)."""
-        return self.first_bucket_cap_mb is None or self.first_bucket_cap_bytes == (
-            DEFAULT_FIRST_BUCKET_CAP_BYTES if self.bucket_cap_mb is None else self.bucket_cap_bytes)
+        return self.first_bucket_cap_bytes == self._torch_caps[1]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 
+from hybrid.cli._host import ask_host_devices
 from hybrid.models._config import GPTConfig
 
 # The GPT of the demo: 2 blocks of width 128 over 512 tokens, 470,528 parameters in 28 tensors
@@ -132,15 +133,6 @@ def hold_output(out: Path):
     return f
 
 
-def _host_devices(n: int) -> None:
-    # JAX fixes its CPU device count when it starts: ask for enough before anything imports it.
-    if "jax" not in sys.modules:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 class PlainProgress:
     """What a progress bar says, as whole lines for a log: about every tenth step and the last,
     with the loss and the seconds so far (tqdm's carriage-return frames would pile up in a file).
@@ -225,7 +217,7 @@ def run(args) -> int:
 def run_demo(options: DemoOptions) -> int:
     """The demo; returns the exit status (1 with a message on stderr when anything fails)."""
     t0 = time.perf_counter()
-    _host_devices(max(options.world_size, options.resume_world_size))
+    ask_host_devices(max(options.world_size, options.resume_world_size), cpu=True)
     try:
         return _demo(options, t0)
     except Exception as e:  # noqa: BLE001 - the command's contract: a clear message, non-zero exit

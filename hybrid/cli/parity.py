@@ -16,6 +16,8 @@ import math
 import os
 import sys
 
+from hybrid.cli._host import ask_host_devices
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("parity", help="train a torch/JAX model pair with both frontends and compare them",
@@ -87,20 +89,13 @@ def tolerance_of(tolerance: str | None, param_tolerance: list[str] = ()):
     return Tolerance(*base, per_tensor=tuple(per_tensor))
 
 
-def _host_devices(n: int) -> None:
-    # JAX fixes its CPU device count when it starts: ask for enough before anything imports it.
-    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 def run(args) -> int:
     """The command; 0 when the pair agrees, 1 when it does not, 2 on bad input."""
     problem = _problem(args)
     if problem:
         print(f"hybrid parity: {problem}", file=sys.stderr)
         return 2
-    _host_devices(args.devices)
+    ask_host_devices(args.devices, cpu=False)
     sys.path.insert(0, os.getcwd())  # the user's pair, as `python -m` would find it
     from hybrid.core import MappingError, ParamMapping
     from hybrid.parity._spec import OptimizerSpec, load_factory, load_reference

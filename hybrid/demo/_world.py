@@ -177,8 +177,9 @@ def _collect(messages: queue.Queue, procs, logs, world_size: int, progress, dead
             progress(*msg[1])
         elif msg[0] == "error":
             time.sleep(0.5)  # a peer's death makes the others fail within milliseconds: let its exit show
+            reported = {msg[1]} | _ranks_that_reported(messages)  # they exit non-zero too, having said why
             _raise_silent_death(procs, logs, world_size, after=f"rank {msg[1]} then failed:\n{msg[2]}",
-                                reported=msg[1])
+                                reported=reported)
             raise RuntimeError(f"spawn_world: rank {msg[1]} of {world_size} failed:\n{msg[2]}")
         else:
             return msg[1]
@@ -191,14 +192,23 @@ def _next_or_none(messages: queue.Queue, wait_s: float):
         return None
 
 
-def _raise_silent_death(procs, logs, world_size: int, *, after: str = "", reported: int | None = None,
+def _ranks_that_reported(messages: queue.Queue) -> set[int]:
+    """The ranks whose tracebacks are waiting in ``messages`` (taken from it)."""
+    ranks = set()
+    while (msg := _next_or_none(messages, 0.0)) is not None:
+        if msg[0] == "error":
+            ranks.add(msg[1])
+    return ranks
+
+
+def _raise_silent_death(procs, logs, world_size: int, *, after: str = "", reported: set[int] = frozenset(),
                         rank0_clean_exit: bool = False) -> None:
-    """Raise for the first rank that exited non-zero (other than ``reported``, which sent a
-    traceback; with ``rank0_clean_exit`` also rank 0 gone without its result): its exit code and
+    """Raise for the first rank that exited non-zero without a traceback (``reported``: the ranks
+    that sent one; with ``rank0_clean_exit`` also rank 0 gone without its result): its exit code and
     the end of its stderr, then ``after``."""
     for rank, p in enumerate(procs):
         code = p.poll()
-        if rank != reported and code is not None and (code or (rank == 0 and rank0_clean_exit)):
+        if rank not in reported and code is not None and (code or (rank == 0 and rank0_clean_exit)):
             then = f"\n\n{after}" if after else ""
             raise RuntimeError(f"spawn_world: rank {rank} of {world_size} died ({_exit_text(code)}) without "
                                f"reporting; the end of its stderr:\n{_tail(logs[rank])}{then}")

@@ -117,15 +117,9 @@ def observed_ready_order(module: torch.nn.Module, loss_fn, batch) -> list[str]:
     >>> observed_ready_order(net, lambda m, x: m(x).sum(), torch.ones(2, 3))
     ['1.weight', '1.bias', '0.bias', '0.weight']
     """
+    from hybrid.parity._spec import check_torch_loss
     from hybrid.torch import gradient_ready_order
-
-    def loss(m, b):
-        value = loss_fn(_AsWrapped(m), b)
-        if not (isinstance(value, torch.Tensor) and value.ndim == 0):  # the ranks' own message, before they start
-            raise TypeError(f"the torch loss_fn must return a scalar tensor, got {type(value).__name__} "
-                            f"{tuple(getattr(value, 'shape', ()))}")
-        return value
-    return gradient_ready_order(module, loss, batch)
+    return gradient_ready_order(module, lambda m, b: check_torch_loss(loss_fn(_AsWrapped(m), b)), batch)
 
 
 def torch_to_jax(module: torch.nn.Module, like, mapping: ParamMapping | None = None):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from hybrid.parity._report import SideRun
-from hybrid.parity._spec import OptimizerSpec, pair_of, rank_rows, tree_map
+from hybrid.parity._spec import OptimizerSpec, check_torch_loss, pair_of, rank_rows, tree_map
 from hybrid.torch import DistributedDataParallel, ZeRO2, ZeRO3, ZeRO3Optimizer, ZeroRedundancyOptimizer
 
 
@@ -70,10 +70,7 @@ def train_rank(job: dict, progress=None) -> SideRun:
     for step in range(start, len(batches)):
         batch = tree_map(torch.from_numpy, rank_rows(batches[step], rank, world))
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp, batch)
-        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
-            raise TypeError(f"the torch loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                            f"{tuple(getattr(loss, 'shape', ()))}")
+        loss = check_torch_loss(loss_fn(ddp, batch))
         loss.backward()
         opt.step()
         # The global loss: the mean of the ranks' means, the loss whose gradient DDP's average is.

@@ -164,6 +164,23 @@ def load_factory_any(factory, what: str) -> Callable:
     return load_factory(factory, what)
 
 
+def check_torch_loss(loss):
+    """``loss`` if it is what the torch loss_fn must return, a scalar tensor; else a TypeError saying
+    what it is (the same message here, where ``prepare`` observes torch's order, and on the ranks).
+
+    >>> import torch
+    >>> check_torch_loss(torch.ones(8, 1))
+    Traceback (most recent call last):
+    ...
+    TypeError: the torch loss_fn must return a scalar tensor, got Tensor (8, 1)
+    """
+    import torch
+    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+        raise TypeError(f"the torch loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                        f"{tuple(getattr(loss, 'shape', ()))}")
+    return loss
+
+
 def pair_of(factory, what: str) -> tuple:
     """Call a factory; it must return ``(model, loss_fn)`` with a callable loss."""
     made = load_factory_any(factory, f"the {what} factory")()
