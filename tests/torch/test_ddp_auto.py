@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hybrid.core import BucketPlan
 from hybrid.torch import DistributedDataParallel as HybridDDP
 from tests._procs import forkserver_ranks, free_port
-from tests.torch._workers_auto import measured, train
+from tests.torch._workers_auto import LATE_S, measured, train
 
 RTOL, ATOL = 1.3e-6, 1e-6
 
@@ -56,12 +56,12 @@ def test_auto_caps_give_torchs_gradients(world):
 def test_ranks_that_time_gradients_differently_agree_on_one_plan():
     results = _results(train, (2, "disagree"), 2)
     assert results[0]["fingerprint"] == results[1]["fingerprint"] == results[0]["expected"]
-    # the plan was made from the slowest rank's time of each gradient: rank 1's, 5 ms later from
-    # tensor 2 on
+    # the plan was made from the slowest rank's time of each gradient: rank 1's, LATE_S later from
+    # tensor 2 on (half of it as the margin: a loaded machine delays either rank by milliseconds)
     order, agreed = results[0]["report"]["ready_order"], results[0]["report"]["ready_s"]
     mine = [r["mine"] for r in results]
     assert agreed == [max(mine[0][i], mine[1][i]) for i in order]
-    assert sum(mine[1][i] > mine[0][i] + 4e-3 for i in order) == len(order) - 2
+    assert sum(mine[1][i] > mine[0][i] + LATE_S / 2 for i in order) == len(order) - 2
 
 
 def test_auto_caps_measured_end_to_end(tmp_path):
