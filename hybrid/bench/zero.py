@@ -270,8 +270,9 @@ def _budget(args, reps: int) -> None:
     print(budget.report(results, model, jax_rows))
     print("\njax_zero3: bytes per device of its slices of the parameters and Adam's state, born sharded "
           "(init_shards), after 3 steps; '+ step temp': with what XLA's compiled step says it needs beside them. "
-          "The build column of '+ step temp' adds the compiled init's temporaries (XLA:CPU computes whole "
-          "buckets on every device, then keeps its slices).")
+          "The build column of '+ step temp' adds the init's temporaries (the most its programs need per device: "
+          "each device computes 1/N of the initialisers, then the rows move into the buckets' slices a bucket at a "
+          "time).")
 
 
 def _zero12(args, reps: int) -> None:

@@ -2,7 +2,9 @@
 ``shard_params(jax.jit(model.init)(...))`` gives, with each device holding only its slices (the
 jitted init is the oracle: XLA:CPU's fused float ops round flax's normal init an ulp away from the
 eager one, in ~25% of the GPT's elements); and
-``abstract_shards`` (from ``jax.eval_shape``) is a template a checkpoint loads straight into.
+``abstract_shards`` (from ``jax.eval_shape``) is a template a checkpoint loads straight into; and
+each device computes its share of the init, not whole buckets (XLA's ``memory_analysis`` of the
+compiled programs, per device).
 The flax GPT (its own init through torch's pairing, so the plan is ZeRO3's) and a flax MLP, on
 4 host devices; the multi-process case is in tests/checkpoint/test_jax_processes_born_sharded.py."""
 
@@ -74,6 +76,34 @@ def test_born_sharded_is_shard_params_of_init(model, n):
         size = born.layout.shards.shard_sizes[b]
         assert {s.device for s in x.addressable_shards} == set(mesh.devices.flat)
         assert all(s.data.shape == (size,) for s in x.addressable_shards), (b, size)  # a slice per device
+
+
+def test_each_device_computes_its_share_of_the_init():
+    # 12 layers of 512 x 512 in 13 buckets, where a slice of a bucket is part of one weight: a program
+    # from the init straight to the slices computed every whole weight on every device (its
+    # temporaries were the model's size at any device count); per-parameter shardings cut them by N
+    from hybrid.jax.sharded._init import born_sharded
+
+    width, depth = 512, 12
+    bound = width ** -0.5
+
+    def init(key):
+        keys = jax.random.split(key, 2 * depth)
+        return [{"w": jax.random.uniform(keys[2 * i], (width, width), minval=-bound, maxval=bound),
+                 "b": jax.random.uniform(keys[2 * i + 1], (width,), minval=-bound, maxval=bound)} for i in range(depth)]
+
+    model_bytes = 4 * depth * (width * width + width)
+    key = jax.random.key(0)
+    one = born_sharded(init, key, mesh=_mesh(1), axis_name="dp", order=None, pairing=None, plan=None,
+                       bucket_cap_bytes=None, first_bucket_cap_bytes=None).temp_bytes(key)
+    assert one >= model_bytes  # one device: the whole init, random bits beside the values
+    for n in (2, 3, 4):  # 3: rows padded to a multiple of the devices
+        born = born_sharded(init, key, mesh=_mesh(n), axis_name="dp", order=None, pairing=None, plan=None,
+                            bucket_cap_bytes=None, first_bucket_cap_bytes=None)
+        assert born.temp_bytes(key) <= one / n * 1.05, (n, born.temp_bytes(key), one)
+        want = _cut(_mesh(n), jax.jit(init)(key), {})
+        for x, y in zip(born(key).buckets, want.buckets):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_a_step_from_born_shards_is_a_step_from_shard_params():

@@ -1,13 +1,25 @@
 """ZeRO-3 parameters born sharded: the global :class:`ParamShards` of an init function, each device
-holding only its slices, without any device (or process) holding the params tree replicated.
+computing and holding only its share, without any device (or process) holding the params tree.
 
-:func:`init_shards` runs the init function and the packing into flat buckets in one ``jax.jit``
-whose outputs are the padded buckets sharded over the mesh axis: what ``shard_map`` returns for
-:func:`hybrid.jax.shard_params` with ``out_specs=P(axis)``, bit for bit (the same ops, and JAX's
-partitionable threefry makes random bits independent of how XLA splits the work). How the
-computation is split is XLA's choice: on XLA:CPU a device computes whole buckets and keeps its
-slice of each, so its transient memory is that of the init's temporaries (``memory_analysis``
-of the compiled init says how much), while what it holds afterwards is its slices only.
+:func:`init_shards` runs in two steps, as XLA can split them:
+
+1. **The init, each parameter sharded.** One jitted program whose outputs are the parameters,
+   each padded to a multiple of the axis size in its rows and flattened, sharded over the mesh
+   axis (a device's chunk is whole rows of every parameter). XLA's
+   partitioner splits the initialisers by those shardings (JAX's partitionable threefry makes a
+   random element's bits a function of its index alone), so a device computes ``1 / N`` of every
+   parameter and holds that.
+2. **Into the buckets' slices, a bucket at a time.** For each bucket a small program concatenates
+   its members' chunks into the padded flat bucket with the output sharded over the axis: XLA
+   moves the elements between devices (gathering that bucket, not more), and the chunks of the
+   bucket's members are dropped before the next bucket.
+
+A device's peak is its share of the parameters plus one bucket; its compute is its share of the
+initialisers. The values are what ``shard_map`` returns for :func:`hybrid.jax.shard_params` of the
+jitted init with ``out_specs=P(axis)``, bit for bit (the same ops per element).
+
+Why not one program from the init to the buckets' slices: a bucket's slices do not follow any
+parameter's shape, so XLA's partitioner computes whole buckets on every device there.
 
 :func:`abstract_shards` is the same layout as ``jax.ShapeDtypeStruct`` s with their shardings, from
 the params or their shapes (``jax.eval_shape(model.init, ...)``): a template that
@@ -16,11 +28,13 @@ the params or their shapes (``jax.eval_shape(model.init, ...)``): a template tha
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hybrid.core import BucketPlan, ParamPairing
-from hybrid.jax._copy import pack_bucket
+from hybrid.core import BucketPlan, FlatShardPlan, ParamPairing
 from hybrid.jax._specs import _Layout, check_caps
 from hybrid.jax.sharded._params import ParamShards, ShardLayout
 
@@ -40,10 +54,11 @@ def init_shards(init_fn, *args, mesh: Mesh, axis_name: str, bucket_cap_bytes: in
                 first_bucket_cap_bytes: int | None = None, order=None, pairing: ParamPairing | None = None,
                 plan: BucketPlan | None = None, **kwargs) -> ParamShards:
     """``shard_params(init_fn(*args, **kwargs))`` as global :class:`ParamShards` over ``mesh``'s
-    ``axis_name``, each device holding only its slice of every bucket: no replicated params tree.
+    ``axis_name``, each device computing ``1 / N`` of the init and holding only its slice of every bucket:
+    no replicated params tree.
 
     The plan options are :func:`hybrid.jax.shard_params`'s. Under ``jax.distributed`` every process
-    calls it alike (one jitted program over the global mesh).
+    calls it alike; each computes the slices of its own devices only, with no communication.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import Mesh
@@ -53,27 +68,89 @@ def init_shards(init_fn, *args, mesh: Mesh, axis_name: str, bucket_cap_bytes: in
     >>> [s.data.shape for s in shards.buckets[0].addressable_shards]  # 5 elements, padded to 2 x 3
     [(3,), (3,)]
     """
-    program, shard_layout = born_sharded(init_fn, *args, mesh=mesh, axis_name=axis_name, order=order,
-                                         pairing=pairing, plan=plan, bucket_cap_bytes=bucket_cap_bytes,
-                                         first_bucket_cap_bytes=first_bucket_cap_bytes, **kwargs)
-    return ParamShards(tuple(program(*args, **kwargs)), shard_layout)
+    born = born_sharded(init_fn, *args, mesh=mesh, axis_name=axis_name, order=order, pairing=pairing,
+                        plan=plan, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes,
+                        **kwargs)
+    return born(*args, **kwargs)
 
 
-def born_sharded(init_fn, *args, mesh: Mesh, axis_name: str, **plan_and_kwargs):
-    """``(the jitted program of init_shards, its ShardLayout)``: the program's padded buckets come
-    out sharded; ``.lower(*args).compile().memory_analysis()`` says what it needs per device."""
+class BornSharded:
+    """The programs of :func:`init_shards` over one layout: :meth:`init_program` (the parameters,
+    each flat and sharded over the axis) and :meth:`bucket_program` (one bucket's slices from its
+    members' chunks). Call it with the init's arguments for the global :class:`ParamShards`;
+    :meth:`temp_bytes` is the most working memory XLA says one of the programs needs per device.
+    """
+
+    def __init__(self, init_fn, layout: _Layout, shard_layout: ShardLayout, sharding: NamedSharding):
+        self.layout, self.shard_layout, self.sharding = layout, shard_layout, sharding
+        axis_size = shard_layout.shards.world_size
+
+        def chunks(*args, **kwargs):
+            return [_padded_flat(x, axis_size) for x in layout.spec_arrays(init_fn(*args, **kwargs))]
+
+        self.init_program = jax.jit(chunks, out_shardings=[sharding] * len(layout.plan.specs))
+        self._bucket_programs = {}
+
+    def bucket_program(self, bucket: int):
+        """The jitted program from bucket ``bucket``'s members' chunks to its slices."""
+        if bucket not in self._bucket_programs:
+            self._bucket_programs[bucket] = jax.jit(functools.partial(_bucket_of, self.shard_layout.shards, bucket),
+                                                    out_shardings=self.sharding)
+        return self._bucket_programs[bucket]
+
+    def temp_bytes(self, *args, **kwargs) -> int:
+        """The largest ``temp_size_in_bytes`` per device among the compiled init and bucket programs."""
+        temps = [self.init_program.lower(*args, **kwargs).compile().memory_analysis().temp_size_in_bytes]
+        chunks = jax.eval_shape(self.init_program, *args, **kwargs)
+        for b, bucket in enumerate(self.layout.plan.buckets):
+            members = [jax.ShapeDtypeStruct(chunks[m].shape, chunks[m].dtype, sharding=self.sharding)
+                       for m in bucket.members]
+            temps.append(self.bucket_program(b).lower(*members).compile().memory_analysis().temp_size_in_bytes)
+        return max(temps)
+
+    def __call__(self, *args, **kwargs) -> ParamShards:
+        chunks = list(self.init_program(*args, **kwargs))
+        buckets = []
+        for b, bucket in enumerate(self.layout.plan.buckets):
+            buckets.append(self.bucket_program(b)(*(chunks[m] for m in bucket.members)))
+            for m in bucket.members:  # its slices hold these elements now
+                chunks[m] = None
+        return ParamShards(tuple(buckets), self.shard_layout)
+
+
+def born_sharded(init_fn, *args, mesh: Mesh, axis_name: str, **plan_and_kwargs) -> BornSharded:
+    """The :class:`BornSharded` programs of ``init_shards(init_fn, *args, ...)``: the layout is
+    planned from ``jax.eval_shape`` of the init; nothing is computed yet."""
     plan = {k: plan_and_kwargs.pop(k) for k in ("order", "pairing", "plan", "bucket_cap_bytes",
                                                 "first_bucket_cap_bytes")}
     abstract = jax.eval_shape(init_fn, *args, **plan_and_kwargs)
     layout, shard_layout, sharding = _layout(abstract, mesh, axis_name, "init_shards", **plan)
-    shards = shard_layout.shards
+    return BornSharded(init_fn, layout, shard_layout, sharding)
 
-    def buckets(*args, **kwargs):
-        arrays = layout.spec_arrays(init_fn(*args, **kwargs))
-        return tuple(pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=False)
-                     for b in range(layout.plan.num_buckets))
 
-    return jax.jit(buckets, out_shardings=(sharding,) * layout.plan.num_buckets), shard_layout
+def _padded_flat(x, axis_size: int):
+    """``x`` with its first dimension padded with zeros to a multiple of ``axis_size``, flattened:
+    its elements first, in order, and a shape XLA shards evenly over the axis by ``x``'s rows (a
+    flat cut through the middle of a row would not follow ``x``'s shape, and XLA computes the
+    whole of ``x`` on every device for it)."""
+    x = jnp.reshape(x, (1,)) if x.ndim == 0 else x
+    x = jnp.pad(x, [(0, -x.shape[0] % axis_size)] + [(0, 0)] * (x.ndim - 1))
+    return jnp.reshape(x, (-1,))
+
+
+def _bucket_of(shards: FlatShardPlan, bucket: int, *chunks):
+    """Bucket ``bucket`` padded to its sharded length, from its members' padded flat chunks (in
+    member order), laid out as :func:`hybrid.core.pack` lays it: zeros in gaps and padding."""
+    b = shards.bucket_plan.buckets[bucket]
+    parts, end = [], 0
+    for flat, offset, numel in zip(chunks, b.offsets, b.numels):
+        if offset > end:  # an alignment gap
+            parts.append(jnp.zeros((offset - end,), flat.dtype))
+        parts.append(flat[:numel])
+        end = offset + numel
+    if end < shards.padded_length(bucket):
+        parts.append(jnp.zeros((shards.padded_length(bucket) - end,), chunks[0].dtype))
+    return jnp.concatenate(parts)
 
 
 def abstract_shards(params, *, mesh: Mesh, axis_name: str, bucket_cap_bytes: int | None = None,
