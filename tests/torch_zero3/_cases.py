@@ -209,7 +209,54 @@ def no_future_warning(rank: int, world_size: int) -> None:
         model.state_dict()
 
 
-def mixed_precision(rank: int, world_size: int, *, reduce_dtype) -> None:
+def step_in_backward(rank: int, world_size: int, *, optim: str, layout: str, groups: bool = False) -> None:
+    """ZeRO3Optimizer(step_in_backward=True): after each backward the parameters and the state are
+    torch DDP + the optimizer's after backward and step(), already before the user's (now empty)
+    step(); each bucket's gradient slice is dropped as it is stepped, so one is alive at a time."""
+    pair = Pair(optim, LAYOUTS[layout], groups=groups, optimizer_options={"step_in_backward": True})
+    alive, step_bucket = [], pair.zero._grads.on_slice_reduced
+    assert step_bucket is not None
+
+    def spy(b: int) -> None:
+        alive.append(sum(g is not None for g in pair.zero._grads.slices))
+        step_bucket(b)
+    pair.zero._grads.on_slice_reduced = spy
+    for step in range(NUM_STEPS):
+        pair.backward(batch(rank, step))
+        assert pair.opt.grad_numel() == 0, f"step {step}: a gradient slice outlived its bucket's step"
+        pair.ref_opt.step()
+        pair.ref_opt.zero_grad()
+        pair.check(world_size, f"step {step}, before step()")
+        pair.check_state(f"step {step}")
+        pair.opt.step()  # a user's unchanged loop: nothing left to do
+        pair.opt.zero_grad()
+        pair.check(world_size, f"step {step}, after step()")
+    assert alive and max(alive) == 1, alive
+
+
+def step_in_backward_habits(rank: int, world_size: int) -> None:
+    """With step_in_backward: accumulation under no_sync() (DDP's), a closure and a scheduler as
+    with torch's loop; clipping and a second in-backward optimizer refused by name."""
+    pair = Pair("adamw", LAYOUTS["four_buckets"], optimizer_options={"step_in_backward": True})
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (pair.opt, pair.ref_opt)]
+    for step in range(2):
+        with pair.zero.no_sync(), pair.ref_ddp.no_sync():
+            pair.backward(batch(rank, 3 * step))
+        pair.check(world_size, f"step {step}: no_sync stepped")
+        loss, ref_loss = pair.closure_step(batch(rank, 3 * step + 1))
+        assert torch.equal(loss, ref_loss) or world_size > 2
+        for s in scheds:
+            s.step()
+        pair.check(world_size, f"step {step}")
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_: this optimizer was made with step_in_backward=True"):
+        pair.opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match=r"clip_grad_value_: .*step_in_backward=False"):
+        pair.opt.clip_grad_value_(1.0)
+    with pytest.raises(ValueError, match="already steps in its backward with another ZeRO3Optimizer"):
+        ZeRO3Optimizer(pair.zero, torch.optim.SGD, lr=0.1, step_in_backward=True)
+
+
+def mixed_precision(rank: int, world_size: int, *, reduce_dtype, step_in_backward: bool = False) -> None:
     """bfloat16 compute, float32 slices and state: against torch's FSDP2 with the same policy.
 
     Both compute the same bfloat16 forward and backward and step float32 masters with Adam, so at
@@ -227,7 +274,7 @@ def mixed_precision(rank: int, world_size: int, *, reduce_dtype) -> None:
     base = make_model()
     model, ref = copy.deepcopy(base), copy.deepcopy(base)
     zero = ZeRO3(model, bucket_cap_mb=0.0001, mp_policy=policy)
-    opt = ZeRO3Optimizer(zero, torch.optim.Adam, lr=0.01)
+    opt = ZeRO3Optimizer(zero, torch.optim.Adam, lr=0.01, step_in_backward=step_in_backward)
     fully_shard(ref, mesh=init_device_mesh("cpu", (world_size,)), mp_policy=policy)  # CPU even where a GPU is
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     tol = ({"rtol": 0, "atol": 0} if world_size <= 2 else
@@ -272,6 +319,14 @@ CASES["eval_between_steps"] = eval_between_steps
 CASES["no_future_warning"] = no_future_warning
 CASES.update({f"mixed_precision[{d}]": functools.partial(mixed_precision, reduce_dtype=d)
               for d in (torch.float32, None)})
+CASES["mixed_precision[step_in_backward]"] = functools.partial(mixed_precision, reduce_dtype=torch.float32,
+                                                              step_in_backward=True)
+CASES.update({f"step_in_backward[{o}-{layout}{'-two_groups' if g else ''}]": functools.partial(
+    step_in_backward, optim=o, layout=layout, groups=g)
+    for o, layout, g in (("adam", "default", False), ("adam", "four_buckets", False),
+                         ("adamw", "six_buckets_prefetch_3", True), ("sgd_momentum", "four_buckets_flat", False),
+                         ("adam", "memory_policy", False), ("adam", "four_buckets_kept", False))})
+CASES["step_in_backward_habits"] = step_in_backward_habits
 
 from tests.torch_zero3 import _cases_anywhere  # noqa: E402 - merged: one spawn per world runs both tables
 

@@ -44,8 +44,9 @@ class Pair(OptimizerPair):
     """The same model under ZeRO3 + ZeRO3Optimizer and under torch DDP + the plain optimizer."""
 
     def __init__(self, optim: str, layout: dict, *, groups: bool = False, model: torch.nn.Module | None = None,
-                 zero3_options=None, **extra):
-        """``zero3_options(model)``: more ZeRO3 arguments for the copy it wraps (``external_params``)."""
+                 zero3_options=None, optimizer_options: dict | None = None, **extra):
+        """``zero3_options(model)``: more ZeRO3 arguments for the copy it wraps (``external_params``);
+        ``optimizer_options``: more ZeRO3Optimizer arguments (``step_in_backward``)."""
         kwargs = {**OPTIMIZERS[optim][1], **extra}
         layout = dict(layout)
         flat = layout.pop("flat", False)
@@ -56,7 +57,8 @@ class Pair(OptimizerPair):
             use_flat_collectives(self.zero)
         self.ref_ddp = TorchDDP(self.ref_model)
         self.wrapped = self.zero
-        self._optimizers(lambda cls, **kw: ZeRO3Optimizer(self.zero, cls, **kw), optim, groups, kwargs)
+        self._optimizers(lambda cls, **kw: ZeRO3Optimizer(self.zero, cls, **kw, **(optimizer_options or {})),
+                         optim, groups, kwargs)
 
     def check(self, world_size: int, what: str, *, exact: bool = True):
         """Every parameter (gathered: a collective) equal to the reference's, bit for bit at 1

@@ -7,6 +7,9 @@ every thread), at world sizes 2, 3 and 4, beside torch's DDP and FSDP2 on the sa
   and state plus under one element of padding per bucket and rank.
 - During a step the gathered working set (full parameter buckets and full gradient buckets
   alive at once) stays within :func:`hybrid.core.zero3_memory`'s stated bound.
+- ``ZeRO3Optimizer(step_in_backward=True)`` holds the same between steps, its backward leaves no
+  gradient slice behind (the default's leaves this rank's float32 share), and its peak is no
+  higher.
 - The peak of live tensor bytes over a whole step is no higher than FSDP2's (``fully_shard`` per
   layer, as torch recommends), on an MLP whose layers are each a bucket of the default plan; and on
   100 Linear(32, 32) with ``policy="memory"`` (a bucket per module, FSDP2's unit of gathering,
@@ -41,7 +44,7 @@ def _measure(world, rank, port, out):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=45))
-    report = {"mlp": _measure_model(world, rank, WIDTHS, ("ddp", "fsdp2", "zero3")),
+    report = {"mlp": _measure_model(world, rank, WIDTHS, ("ddp", "fsdp2", "zero3", "zero3_in_backward")),
               "small": _measure_model(world, rank, SMALL, ("fsdp2", "zero3", "zero3_memory"))}
     out.put((rank, report, 0.0))
     dist.destroy_process_group()
@@ -77,19 +80,21 @@ def _measure_model(world, rank, widths, variants):
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         else:
             net = ZeRO3(model, policy="memory" if name == "zero3_memory" else "speed")
-            opt = ZeRO3Optimizer(net, torch.optim.Adam, lr=1e-3)
+            opt = ZeRO3Optimizer(net, torch.optim.Adam, lr=1e-3, step_in_backward=name == "zero3_in_backward")
         del model
-        peaks = []
+        peaks, grads = [], []
         for step in range(3):
             held = _live.live_bytes() - base
             _live.reset_peak()
-            if name == "zero3":
+            if name.startswith("zero3"):
                 net.reset_peak_memory_stats()
             net(x).pow(2).mean().backward()
+            grads.append(_live.live_bytes() - base - held)  # what the backward left for step()
             opt.step()
             opt.zero_grad()
             peaks.append(_live.peak_bytes() - base)
-        report[name] = {"held": held, "peak": max(peaks[1:])}  # after the first step: state exists
+        # after the first step: state exists
+        report[name] = {"held": held, "peak": max(peaks[1:]), "after_backward": max(grads[1:])}
         if name.startswith("zero3"):
             stats = net.memory_stats()
             bound = zero3_memory(net.shards, 8, prefetch=net.prefetch).gathered_bytes
@@ -119,6 +124,15 @@ def test_memory_per_rank(live_counter, world):
         assert ddp["held"] >= 12 * numel  # DDP: parameters and state (and its gradient buckets)
         assert z["working"] <= z["bound"], z
         assert z["peak"] <= fsdp["peak"], (z, fsdp)
+        # step_in_backward: the same held bytes; the backward leaves no gradient slices for step()
+        # (the default's are its float32 share, 4 bytes an element), and the peak is no higher
+        zib = r["zero3_in_backward"]
+        print(f"world {world} rank {rank}: left by the backward: ZeRO3 {z['after_backward']}, step_in_backward "
+              f"{zib['after_backward']}; peak {z['peak']}, step_in_backward {zib['peak']}")
+        assert 0 <= zib["held"] - (12 * zib["padded"] + 4 * zib["runs"]) <= 4, zib
+        assert 4 * z["padded"] <= z["after_backward"] <= 4 * z["padded"] + 4, z
+        assert zib["after_backward"] <= 4, zib  # at most the stand-ins' shared zero
+        assert zib["peak"] <= z["peak"], (zib, z)
         # 100 small layers: the memory policy (a bucket per layer) peaks no higher than FSDP2 per layer;
         # the default plan's buckets of many layers hold more at once (within its bound) and peak higher.
         fsdp, layer, default = small["fsdp2"], small["zero3_memory"], small["zero3"]

@@ -10,6 +10,10 @@ bucket lives at a time (besides the gradients autograd is accumulating for the n
 When the backward ends (a callback queued on autograd's engine) the buckets still waiting are
 reduced (a parameter that got no gradient this time counts as zero), every reduction is waited
 for, and each user parameter's ``.grad`` becomes a :class:`GradientInShards` stand-in.
+
+``on_slice_reduced`` (set by ``ZeRO3Optimizer(step_in_backward=True)``) is called with ``b`` the
+moment bucket ``b``'s slice is complete, still inside the backward: the optimizer steps that
+bucket and drops its gradient slice, so no rank ever holds its whole share of the gradient.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class GradReducer:
         self.slices: list[torch.Tensor | None] = [None] * plan.num_buckets
         self.sync = True  # False under ZeRO3.no_sync(): gradients stay local, in .grad
         self.working, self.guard = working, guard
+        self.on_slice_reduced: Callable[[int], None] | None = None
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
 
@@ -165,6 +170,8 @@ class GradReducer:
         for t in (flat, out):
             t.untyped_storage().resize_(0)
         self.working.sub(flat.numel() * flat.element_size())
+        if self.on_slice_reduced is not None:
+            self.on_slice_reduced(b)
 
     def _end_backward(self) -> None:
         try:

@@ -5,6 +5,11 @@ The slices are cut into runs of one parameter group (:meth:`hybrid.core.FlatShar
 one flat float32 tensor per run, as ZeRO2 does; for float32 parameters a run *is* a view of the
 parameter slice, so the inner optimizer updates the slices in place. Nothing is gathered after
 the step: the next forward gathers the updated slices.
+
+With ``step_in_backward=True`` the inner optimizer steps each bucket's runs inside the backward,
+the moment the bucket's gradient slice is reduced, and the slice is dropped at once: a rank holds
+the gradient of one bucket at a time instead of its whole share (``4 P / N`` bytes of float32
+gradient less at the peak), as torch's ``_apply_optimizer_in_backward`` does for FSDP.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         must be elementwise (SGD, Adam, AdamW, ...), as with ZeRO2.
       param_groups: torch's group dicts over all of the model's sharded parameters, each in
         exactly one group; default one group of all.
+      step_in_backward: update each bucket inside the backward as soon as its gradient slice is
+        reduced, then drop the slice (opt-in; default False, torch's order: backward, then
+        ``step()``). The parameters and state after each backward are bit for bit those of
+        backward + ``step()``. Then every synchronised backward is a step: ``step()`` only runs
+        its closure, ``zero_grad()`` has nothing to drop, gradient clipping is refused (it needs
+        the whole gradient before any update), accumulate with ``model.no_sync()``, and a
+        backward that raises part-way leaves the buckets stepped before it updated.
       **defaults: forwarded to ``optimizer_class``.
 
     >>> import torch, torch.distributed as dist
@@ -56,7 +68,8 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
     """
 
     def __init__(self, module: ZeRO3, optimizer_class: type[Optimizer],
-                 param_groups: Iterable[dict[str, Any]] | None = None, **defaults: Any):
+                 param_groups: Iterable[dict[str, Any]] | None = None, *, step_in_backward: bool = False,
+                 **defaults: Any):
         if not isinstance(module, ZeRO3):
             raise TypeError(f"ZeRO3Optimizer needs a hybrid.torch.ZeRO3 model, got {type(module).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -81,6 +94,12 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         # One set of groups and state: schedulers and users edit what the inner optimizer reads.
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
+        self.step_in_backward = bool(step_in_backward)
+        if self.step_in_backward:
+            if module._grads.on_slice_reduced is not None:
+                raise ValueError("ZeRO3Optimizer(step_in_backward=True): this ZeRO3 model already steps in its "
+                                 "backward with another ZeRO3Optimizer; one optimizer per model")
+            module._grads.on_slice_reduced = self._step_bucket
 
     @torch.no_grad()
     def _refresh_masters(self) -> None:
@@ -106,6 +125,7 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         """``torch.nn.utils.clip_grad_norm_`` over every rank's gradient slices (exact: the norm of
         the whole averaged gradient, returned on every rank); a collective, between ``backward()``
         and ``step()``. ``max_norm=float("inf")`` only measures."""
+        self._refuse_in_backward("clip_grad_norm_")
         self.module._guard.enter("ZeRO3Optimizer.clip_grad_norm_()")
         slices = [g for g in self.module._grads.slices if g is not None]
         return clip_grad_norm_(slices, max_norm, norm_type, group=self.process_group, device=self._params[0].device,
@@ -113,6 +133,7 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` on this rank's gradient slices (elementwise: exact)."""
+        self._refuse_in_backward("clip_grad_value_")
         for g in self.module._grads.slices:
             if g is not None:
                 g.clamp_(min=-clip_value, max=clip_value)
@@ -126,15 +147,39 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         """Drop (or zero) the gradient slices; the parameters' ``.grad`` become None."""
         self.module._grads.zero_grad(set_to_none)
 
+    def _refuse_in_backward(self, what: str) -> None:
+        if self.step_in_backward:
+            raise RuntimeError(f"ZeRO3Optimizer.{what}: this optimizer was made with step_in_backward=True, which "
+                               f"updates each bucket inside the backward, before the whole gradient exists; "
+                               f"clip with step_in_backward=False (backward, clip, then step())")
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
-        """Update this rank's slices with the inner optimizer (no communication)."""
+        """Update this rank's slices with the inner optimizer (no communication). With
+        ``step_in_backward=True`` the backward has stepped already: only the closure runs."""
         loss = run_closure(closure)
+        if self.step_in_backward:
+            return loss
         with grads_on_masters(self._segments, self._masters, self.module._grads.slices):
             self.optim.step(**kwargs)
+        self._round_slices(range(len(self._segments)))
+        return loss
+
+    @torch.no_grad()
+    def _step_bucket(self, b: int) -> None:
+        """Inside the backward: step bucket ``b``'s runs with its just-reduced slice, then drop
+        the slice. Runs of other buckets have no gradient, so the inner optimizer skips them."""
+        grads = [None] * len(self.module._grads.slices)
+        grads[b] = self.module._grads.slices[b]
+        with grads_on_masters(self._segments, self._masters, grads):
+            self.optim.step()
+        self._round_slices([i for i, seg in enumerate(self._segments) if seg.bucket == b])
+        self.module._grads.slices[b] = None
+
+    def _round_slices(self, segments: Iterable[int]) -> None:
         slices = self.module._buckets.slices
-        for seg, master in zip(self._segments, self._masters):
+        for i in segments:
+            seg, master = self._segments[i], self._masters[i]
             mine = slices[seg.bucket][seg.lo:seg.hi]
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)  # lower-precision parameters: the float32 master, rounded
-        return loss
