@@ -4,12 +4,14 @@ same (its meta build, ``fully_shard`` per layer, ``to_empty`` and each layer's
 ``reset_parameters``).
 
 The model: ``depth`` layers of ``Linear(width, width)`` + tanh, float32, Adam: its parameters,
-gradients and Adam's two moments take ``16 P`` bytes. At ``N`` ranks a ZeRO-3 rank holds
-``16 P / N`` of them during a step, and gathers a few layers at a time, so the budget is set to
-``16 P / N + 16 P / depth`` (a rank's share, and four layers' parameters; rounded up to a MiB):
-with 12 layers the model's training state is 1.7 budgets at 2 ranks, 2.4 at 3 and 3.0 at 4. No
-sharding that keeps everything on the rank (no offload) fits 3 budgets at 2 or 3 ranks: the
-sharded state alone is ``16 P / N``.
+gradients and Adam's two moments take ``16 P`` bytes, and the per-rank budget is a third of that
+(rounded down to a KiB), at every world size. A ZeRO-3 rank that keeps its share of all four
+holds ``16 P / N`` during a step: more than the budget at 2 and 3 ranks before any working set.
+One that steps each bucket inside the backward (``step_in_backward=True``) never holds its share
+of the gradient, so ``12 P / N``: under the budget from 3 ranks on, with a quarter of ``16 P / 3``
+left for the gathered layers, the gradient bucket and the activations. At 2 ranks nothing that
+keeps the state on the rank fits (``12 P / 2`` is 1.125 budgets): that takes offloading, which
+hybrid does not do.
 
 Each variant, on every rank, in its own allocator-counted window (``hybrid.bench._live``): build
 on the meta device, materialise, load a checkpoint (hybrid's own files for ZeRO3, torch's
@@ -18,7 +20,9 @@ and 3 training steps; the peak over the window is compared with the budget. Then
 timed interleaved, FSDP2 twice per round for the A/A row.
 
 Variants: ``fsdp2``; ``hybrid_zero3`` (``ZeRO3(meta_model)``, the speed-first default);
-``hybrid_zero3_memory`` (``policy="memory"``).
+``hybrid_zero3_memory`` (``policy="memory"``); ``hybrid_zero3_in_backward`` (the least memory: the
+default plan with ``prefetch=0`` and ``ZeRO3Optimizer(step_in_backward=True)``; with the default
+prefetch of 1 the backward holds the next layer too, and at 3 ranks peaks 2% over the budget).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table
 from hybrid.bench._zero3 import time_rounds, train_step
 
-VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory")
+VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory", "hybrid_zero3_in_backward")
+STATE_PER_BUDGET = 3  # the model's training state, in budgets (issue 36.6)
 REFERENCE = "fsdp2"
 ROUND = (*VARIANTS, REFERENCE + "'")
 MODEL = {"width": 1024, "depth": 12}
@@ -50,10 +55,12 @@ def num_params(width: int, depth: int) -> int:
     return depth * (width * width + width)
 
 
-def budget_bytes(width: int, depth: int, world: int) -> int:
-    """The per-rank budget: a ZeRO-3 rank's share of the training state, and four layers' parameters."""
+def budget_bytes(width: int, depth: int) -> int:
+    """The per-rank budget: a third of the model's training state (parameters, gradients and Adam's
+    two moments, float32), rounded down to a KiB; the same at every world size (the model's size,
+    not the world's, sets it)."""
     state = 16 * num_params(width, depth)
-    return math.ceil((state / world + state / depth) / 2**20) * 2**20
+    return state // STATE_PER_BUDGET // 2**10 * 2**10
 
 
 def _mlp(width: int, depth: int) -> nn.Module:
@@ -84,8 +91,10 @@ def _build(name: str, width: int, depth: int):
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-    zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed")
-    return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3)
+    in_backward = name == "hybrid_zero3_in_backward"
+    # no prefetch there: the next layer's gather would add a layer to the backward's peak
+    zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed", prefetch=0 if in_backward else 1)
+    return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3, step_in_backward=in_backward)
 
 
 def _save(name: str, net, opt, path: str) -> None:
@@ -164,7 +173,7 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
              f"Adam's moments {human_bytes(16 * p)} (float32)"]
     rows, step_rows, groups = [], [], {}
     for world, ranks in results.items():
-        budget = budget_bytes(width, depth, world)
+        budget = budget_bytes(width, depth)
         fullest = {name: {k: max(r["memory"][name][k] for r in ranks) for k in ("build", "load", "peak", "held")}
                    for name in VARIANTS}
         for name in VARIANTS:
