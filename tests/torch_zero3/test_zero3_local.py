@@ -231,3 +231,26 @@ def test_a_read_outside_any_forward_names_the_parameter(world_of_one):
                                            r"only while a forward \(model\(x\) or model.module\(x\)\)"):
         model.module.emb.weight.T
     model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
+
+
+def test_step_in_backward_follows_the_optimizer_that_asked_for_it(world_of_one):
+    """The model holds the in-backward optimizer weakly: deleted, it stops stepping, and a new one
+    may step in its place; while it lives, a second one is refused."""
+    import gc
+
+    model = ZeRO3(torch.nn.Linear(4, 2))
+    first = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.5, step_in_backward=True)
+    with pytest.raises(ValueError, match="already steps in its backward with another ZeRO3Optimizer"):
+        ZeRO3Optimizer(model, torch.optim.SGD, lr=0.5, step_in_backward=True)
+    del first
+    gc.collect()
+    with model.gathered():
+        before = model.module.weight.detach().clone()
+    model(torch.ones(3, 4)).sum().backward()  # no optimizer steps in it now
+    with model.gathered():
+        assert torch.equal(model.module.weight, before)
+    second = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.5, step_in_backward=True)
+    model(torch.ones(3, 4)).sum().backward()
+    with model.gathered():
+        assert not torch.equal(model.module.weight, before)
+    assert second.grad_numel() == 0

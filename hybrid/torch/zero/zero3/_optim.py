@@ -14,6 +14,7 @@ gradient less at the peak), as torch's ``_apply_optimizer_in_backward`` does for
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -96,10 +97,12 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         self.state = self.optim.state
         self.step_in_backward = bool(step_in_backward)
         if self.step_in_backward:
-            if module._grads.on_slice_reduced is not None:
+            current = module._grads.on_slice_reduced
+            if isinstance(current, _StepInBackward) and current.alive:
                 raise ValueError("ZeRO3Optimizer(step_in_backward=True): this ZeRO3 model already steps in its "
-                                 "backward with another ZeRO3Optimizer; one optimizer per model")
-            module._grads.on_slice_reduced = self._step_bucket
+                                 "backward with another ZeRO3Optimizer; one optimizer per model (delete the other "
+                                 "first)")
+            module._grads.on_slice_reduced = _StepInBackward(self)
 
     @torch.no_grad()
     def _refresh_masters(self) -> None:
@@ -183,3 +186,21 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
             mine = slices[seg.bucket][seg.lo:seg.hi]
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)  # lower-precision parameters: the float32 master, rounded
+
+
+class _StepInBackward:
+    """What the model calls as each bucket's slice is reduced: the optimizer's per-bucket step,
+    held weakly, so a deleted optimizer stops stepping (and a new one may take its place) instead
+    of being kept alive, and stepping, by the model."""
+
+    def __init__(self, optimizer: ZeRO3Optimizer):
+        self._step_bucket = weakref.WeakMethod(optimizer._step_bucket)
+
+    @property
+    def alive(self) -> bool:
+        return self._step_bucket() is not None
+
+    def __call__(self, bucket: int) -> None:
+        step_bucket = self._step_bucket()
+        if step_bucket is not None:
+            step_bucket(bucket)
