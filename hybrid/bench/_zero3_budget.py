@@ -20,9 +20,8 @@ and 3 training steps; the peak over the window is compared with the budget. Then
 timed interleaved, FSDP2 twice per round for the A/A row.
 
 Variants: ``fsdp2``; ``hybrid_zero3`` (``ZeRO3(meta_model)``, the speed-first default);
-``hybrid_zero3_memory`` (``policy="memory"``); ``hybrid_zero3_in_backward`` (the least memory: the
-default plan with ``prefetch=0`` and ``ZeRO3Optimizer(step_in_backward=True)``; with the default
-prefetch of 1 the backward holds the next layer too, and at 3 ranks peaks 2% over the budget).
+``hybrid_zero3_memory`` (``policy="memory"``); ``hybrid_zero3_in_backward`` (the default plan with
+``ZeRO3Optimizer(step_in_backward=True)``).
 """
 
 from __future__ import annotations
@@ -91,10 +90,8 @@ def _build(name: str, width: int, depth: int):
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-    in_backward = name == "hybrid_zero3_in_backward"
-    # no prefetch there: the next layer's gather would add a layer to the backward's peak
-    zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed", prefetch=0 if in_backward else 1)
-    return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3, step_in_backward=in_backward)
+    zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed")
+    return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3, step_in_backward=name == "hybrid_zero3_in_backward")
 
 
 def _save(name: str, net, opt, path: str) -> None:

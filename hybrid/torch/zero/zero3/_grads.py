@@ -121,11 +121,17 @@ class GradReducer:
             self._next += 1
 
     @torch.no_grad()
+    def finish_reductions(self) -> None:
+        """Wait for the reductions in flight and take their slices (and, stepping in the backward,
+        step their buckets), freeing their full gradient buckets."""
+        while self._inflight:
+            self._finish(*self._inflight.popleft())
+
+    @torch.no_grad()
     def _launch(self, b: int) -> None:
         # The previous bucket's reduction ran during this bucket's backward: take its slice
         # before this bucket's buffer exists, so that one full gradient bucket is alive at a time.
-        while self._inflight:
-            self._finish(*self._inflight.popleft())
+        self.finish_reductions()
         bucket = self.shards.bucket_plan.buckets[b]
         first = self.params[bucket.members[0]]
         dtype = self.reduce_dtype or first.dtype
@@ -179,8 +185,7 @@ class GradReducer:
                 if not self.complete[b]:
                     self._bucket_complete(b)  # parameters without a gradient this time
             self._launch_ready()
-            while self._inflight:
-                self._finish(*self._inflight.popleft())
+            self.finish_reductions()
             if self._syncing:
                 self._set_user_grads(self._stand_ins)
         finally:

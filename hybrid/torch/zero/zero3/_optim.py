@@ -9,7 +9,9 @@ the step: the next forward gathers the updated slices.
 With ``step_in_backward=True`` the inner optimizer steps each bucket's runs inside the backward,
 the moment the bucket's gradient slice is reduced, and the slice is dropped at once: a rank holds
 the gradient of one bucket at a time instead of its whole share (``4 P / N`` bytes of float32
-gradient less at the peak), as torch's ``_apply_optimizer_in_backward`` does for FSDP.
+gradient less at the peak), as torch's ``_apply_optimizer_in_backward`` does for FSDP. Memory
+first throughout: each reduction (and its step) is finished before the next module's backward
+gathers, instead of overlapping it.
 """
 
 from __future__ import annotations
