@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -57,6 +56,7 @@ from torch import nn
 from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench import gpt
 from hybrid.bench._stats import Ratio, ratio_table, rotated
+from hybrid.demo._world import free_port
 
 WORLD_SIZE = 2
 VARIANTS = ("ddp_adam", "torch_zero1", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "hybrid_overlap",
@@ -216,12 +216,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stage3(args, reps: int) -> None:
     from hybrid.bench import _zero3
 
@@ -230,7 +224,7 @@ def _stage3(args, reps: int) -> None:
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero3_")
     results = {}
     for world in worlds:
-        mp.spawn(_zero3.worker, args=(world, _port(), outdir, models, 32, reps, 3), nprocs=world, join=True)
+        mp.spawn(_zero3.worker, args=(world, free_port(), outdir, models, 32, reps, 3), nprocs=world, join=True)
         ranks = [torch.load(os.path.join(outdir, f"stage3-world{world}-rank{r}.pt")) for r in range(world)]
         results.update({(model, world): ranks for model in models})
     print("\n# stage 3: ZeRO3 beside DDP, FSDP2 (fully_shard per layer), ZeRO-1 and ZeRO-2, Adam, batch 32, gloo")
@@ -256,7 +250,7 @@ def _budget(args, reps: int) -> None:
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_budget_")
     results, jax_rows = {}, {}
     for world in worlds:
-        mp.spawn(budget.worker, args=(world, _port(), outdir, model, 32, reps, 2), nprocs=world, join=True)
+        mp.spawn(budget.worker, args=(world, free_port(), outdir, model, 32, reps, 2), nprocs=world, join=True)
         results[world] = [torch.load(os.path.join(outdir, f"budget-world{world}-rank{r}.pt")) for r in range(world)]
         out = os.path.join(outdir, f"jax-{world}.json")
         subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(world), str(model["width"]),
@@ -282,7 +276,7 @@ def _zero12(args, reps: int) -> None:
         raise ValueError(f"--widths needs at least two positive widths, got {args.widths!r}")
     batch = 32
     outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero_")
-    mp.spawn(_worker, args=(WORLD_SIZE, _port(), outdir, widths, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(WORLD_SIZE, free_port(), outdir, widths, batch, reps, 3), nprocs=WORLD_SIZE, join=True)
     results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD_SIZE)]
     r0 = results[0]
     n = r0["numel"]

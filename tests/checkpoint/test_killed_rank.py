@@ -13,7 +13,7 @@ import time
 import pytest
 
 from hybrid.checkpoint import Checkpoint
-from tests.torch_zero._harness import free_port
+from tests._procs import free_port
 
 TIMEOUT_S = 5
 

@@ -1,23 +1,16 @@
 """zero stage 2 and bucketed_all_reduce through jax.distributed: 2 processes on CPU with gloo collectives."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests._procs import finish
+from tests._procs import finish, free_port
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("local_devices", [2, 1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 
@@ -15,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _workers  # noqa: E402
 import _workers_errors  # noqa: E402
 
-from tests._procs import forkserver_context  # noqa: E402
+from tests._procs import forkserver_context, free_port  # noqa: E402
 from hybrid.core._reducer_state import mark_ready, mark_unused, start_iteration  # noqa: E402
 from hybrid.core import TensorSpec, plan_buckets  # noqa: E402
 
@@ -26,25 +25,19 @@ RTOL, ATOL = 1.3e-6, 1e-6
 WORLD_SIZES = (1, 2, 3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, world, *args):
     """``fn(rank, world, port, outdir, *args)`` on ``world`` ranks forked from the preloaded
     forkserver (tests/_procs.py); returns ``outdir``, where the ranks saved their results."""
     outdir = tempfile.mkdtemp(prefix="hybrid_ddp_")
     forkserver_context()  # sets the server's preload before its first start
-    mp.start_processes(fn, args=(world, _free_port(), outdir, *args), nprocs=world, join=True,
+    mp.start_processes(fn, args=(world, free_port(), outdir, *args), nprocs=world, join=True,
                        start_method="forkserver")
     return outdir
 
 
 def _spawn_into(outdir, fn, world):
     forkserver_context()
-    mp.start_processes(fn, args=(world, _free_port(), outdir), nprocs=world, join=True, start_method="forkserver")
+    mp.start_processes(fn, args=(world, free_port(), outdir), nprocs=world, join=True, start_method="forkserver")
 
 
 def close_nested(a, b):

@@ -12,7 +12,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from hybrid.torch import DistributedDataParallel
-from tests.torch_zero._harness import free_port
+from tests._procs import free_port
 
 STEPS, WARM_UP = 9, 2
 

@@ -157,7 +157,7 @@ def test_doctests():
 @pytest.fixture(scope="module")
 def world_of_one():
     import torch.distributed as dist
-    from tests.torch_zero._harness import free_port
+    from tests._procs import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     torch._dynamo.reset()

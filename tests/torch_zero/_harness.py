@@ -10,19 +10,12 @@ from __future__ import annotations
 import datetime
 import importlib
 import queue
-import socket
 import traceback
 
-from tests._procs import forkserver_context
+from tests._procs import forkserver_context, free_port
 
 # A hung collective must turn into an error well inside pytest's 180 s per-test timeout.
 COLLECTIVE_TIMEOUT_S = 45
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, module: str, case_ids: list[str], out) -> None:

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 import hybrid.torch
 from hybrid.torch import DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer
-from tests.torch_zero._harness import free_port
+from tests._procs import free_port
 
 
 @pytest.mark.parametrize("module", [hybrid.torch._flat, hybrid.torch.zero._zero2, hybrid.torch.zero._zero2_grads,
