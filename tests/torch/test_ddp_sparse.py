@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workers_sparse  # noqa: E402
-from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds, _free_port, side_by_side_results as _results  # noqa: E402
+from test_ddp import ATOL, RTOL, WORLD_SIZES, LazyWorlds, side_by_side_results as _results  # noqa: E402
 from test_ddp_logging import assert_error_logged_like_torch  # noqa: E402
 from test_ddp_logging import assert_like_torch as assert_logging_like_torch  # noqa: E402
 
+from tests._procs import free_port  # noqa: E402
 import hybrid.torch.ddp.reducer._sparse  # noqa: E402
 from hybrid.torch import DistributedDataParallel  # noqa: E402
 
@@ -143,7 +144,7 @@ def test_logging_data_counts_sparse_buckets_like_torch(runs, world):
 
 @pytest.fixture
 def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     torch._dynamo.reset()
     dist.destroy_process_group()
