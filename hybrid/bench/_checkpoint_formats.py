@@ -116,6 +116,15 @@ def torch_worker(rank: int, port: int, widths, reps: int, root: str, out: str) -
     dist.destroy_process_group()
 
 
+def jax_mlp_params(widths) -> dict:
+    """The JAX benches' MLP parameters (numpy, seed 0): a weight (out, in) and a zero bias per layer."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return {"layers": [{"weight": rng.normal(size=(b, a)).astype(np.float32) * 0.01,
+                        "bias": np.zeros(b, np.float32)} for a, b in zip(widths, widths[1:])]}
+
+
 def jax_bench(widths, reps: int, root: str) -> dict:
     import jax
     import jax.numpy as jnp
@@ -127,9 +136,7 @@ def jax_bench(widths, reps: int, root: str) -> dict:
     import hybrid.jax as hj
     from hybrid.checkpoint import jax as ckpt
 
-    rng = np.random.default_rng(0)
-    params = {"layers": [{"weight": rng.normal(size=(b, a)).astype(np.float32) * 0.01,
-                          "bias": np.zeros(b, np.float32)} for a, b in zip(widths, widths[1:])]}
+    params = jax_mlp_params(widths)
     mesh = Mesh(np.array(jax.devices()[:WORLD_SIZE]), ("dp",))
     tx = hj.zero(optax.adam(1e-3), "dp", stage=2)
     specs = hj.state_specs(tx, params, "dp", axis_size=WORLD_SIZE)

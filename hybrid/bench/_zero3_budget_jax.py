@@ -48,9 +48,10 @@ def main(world: int, width: int, depth: int, batch: int, out: str) -> None:
         return sum(s.data.nbytes for x in jax.tree.leaves(trees) for s in x.addressable_shards if s.device == device)
 
     key = jax.random.key(0)
-    init_temp = born_sharded(init, key, mesh=mesh, axis_name="dp", order=order, pairing=None, plan=None,
-                             bucket_cap_bytes=None, first_bucket_cap_bytes=None).temp_bytes(key)
-    shards = hj.init_shards(init, key, mesh=mesh, axis_name="dp", order=order)
+    born = born_sharded(init, key, mesh=mesh, axis_name="dp", order=order, pairing=None, plan=None,
+                        bucket_cap_bytes=None, first_bucket_cap_bytes=None)  # init_shards' programs, compiled once
+    init_temp = born.temp_bytes(key)
+    shards = born(key)
     init_held = held(shards)
     tx = hj.zero(optax.adam(1e-3), "dp", stage=3)
     specs = hj.state_specs(tx, shards, "dp", axis_size=world)

@@ -141,11 +141,10 @@ def _jax_bench(widths, reps: int, root: str) -> dict:
     from jax.sharding import Mesh, PartitionSpec as P
 
     import hybrid.jax as hj
+    from hybrid.bench import _checkpoint_formats
     from hybrid.checkpoint import jax as ckpt
 
-    rng = np.random.default_rng(0)
-    params = {"layers": [{"weight": rng.normal(size=(b, a)).astype(np.float32) * 0.01,
-                          "bias": np.zeros(b, np.float32)} for a, b in zip(widths, widths[1:])]}
+    params = _checkpoint_formats.jax_mlp_params(widths)
     mesh = Mesh(np.array(jax.devices()[:WORLD_SIZE]), ("dp",))
     tx = hj.zero(optax.adam(1e-3), "dp")
     specs = hj.state_specs(tx, params, "dp", axis_size=WORLD_SIZE)

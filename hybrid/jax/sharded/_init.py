@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hybrid.core import BucketPlan, FlatShardPlan, ParamPairing
+from hybrid.core import BucketPlan, FlatShardPlan, ParamPairing, pack
 from hybrid.jax._specs import _Layout, check_caps
 from hybrid.jax.sharded._params import ParamShards, ShardLayout
 
@@ -140,17 +140,12 @@ def _padded_flat(x, axis_size: int):
 
 def _bucket_of(shards: FlatShardPlan, bucket: int, *chunks):
     """Bucket ``bucket`` padded to its sharded length, from its members' padded flat chunks (in
-    member order), laid out as :func:`hybrid.core.pack` lays it: zeros in gaps and padding."""
-    b = shards.bucket_plan.buckets[bucket]
-    parts, end = [], 0
-    for flat, offset, numel in zip(chunks, b.offsets, b.numels):
-        if offset > end:  # an alignment gap
-            parts.append(jnp.zeros((offset - end,), flat.dtype))
-        parts.append(flat[:numel])
-        end = offset + numel
-    if end < shards.padded_length(bucket):
-        parts.append(jnp.zeros((shards.padded_length(bucket) - end,), chunks[0].dtype))
-    return jnp.concatenate(parts)
+    member order): :func:`hybrid.core.pack` of the members, each its chunk's first elements."""
+    plan = shards.bucket_plan
+    arrays = [None] * len(plan.specs)  # pack reads the bucket's members only
+    for m, n, flat in zip(plan.buckets[bucket].members, plan.buckets[bucket].numels, chunks):
+        arrays[m] = jnp.reshape(flat[:n], plan.specs[m].shape)
+    return pack(plan, bucket, arrays, length=shards.padded_length(bucket))
 
 
 def abstract_shards(params, *, mesh: Mesh, axis_name: str, bucket_cap_bytes: int | None = None,

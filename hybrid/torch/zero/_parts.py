@@ -166,3 +166,19 @@ def grads_on_masters(segments, masters: list[torch.Tensor], grads) -> Iterator[N
     finally:
         for master in masters:
             master.grad = None
+
+
+def cleared_slices(slices: list, set_to_none: bool) -> list:
+    """A sharded optimizer's ``zero_grad`` of its gradient slices: all ``None``, or each zeroed in
+    place (``None`` stays ``None``), as ``torch.optim.Optimizer.zero_grad`` treats ``.grad``.
+
+    >>> g = [torch.ones(2), None]
+    >>> cleared_slices(g, set_to_none=False)[0].tolist(), cleared_slices(g, set_to_none=True)
+    ([0.0, 0.0], [None, None])
+    """
+    if set_to_none:
+        return [None] * len(slices)
+    for g in slices:
+        if g is not None:
+            g.zero_()
+    return slices

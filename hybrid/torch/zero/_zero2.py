@@ -27,7 +27,7 @@ from hybrid.torch.zero._zero2_grads import GradientInShards, clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState, _take
 from hybrid.torch._collectives import all_gather_into, reduce_scatter_into, wait_all
 from hybrid.torch._teardown import collect_cycles_at_exit
-from hybrid.torch.zero._parts import _refuse_sparse, grads_on_masters, resolve_groups, run_closure
+from hybrid.torch.zero._parts import _refuse_sparse, cleared_slices, grads_on_masters, resolve_groups, run_closure
 
 __all__ = ["ZeRO2"]
 
@@ -306,12 +306,7 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradient slices; the parameters' own ``.grad`` stay ``None``."""
-        if set_to_none:
-            self._grads = [None] * len(self._grads)
-        else:
-            for g in self._grads:
-                if g is not None:
-                    g.zero_()
+        self._grads = cleared_slices(self._grads, set_to_none)
         for p in self._params:
             p.grad = None
 

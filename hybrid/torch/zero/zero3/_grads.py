@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hybrid.core import FlatShardPlan
 from hybrid.torch._call_guard import CallGuard
 from hybrid.torch._collectives import reduce_scatter_into, wait_all
+from hybrid.torch.zero._parts import cleared_slices
 from hybrid.torch.zero._zero2_grads import GradientInShards
 from hybrid.torch.zero.zero3._params import WorkingSet
 
@@ -81,6 +82,11 @@ class GradReducer:
         self._inflight: collections.deque = collections.deque()
         self._queued = False
         self._syncing = self.sync
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether an optimizer steps each bucket as its slice is reduced (and is still alive)."""
+        return self.on_slice_reduced is not None and getattr(self.on_slice_reduced, "alive", True)
 
     @property
     def in_backward(self) -> bool:
@@ -216,12 +222,7 @@ class GradReducer:
         self._stand_ins_set = grads is not None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if set_to_none:
-            self.slices = [None] * len(self.slices)
-        else:
-            for g in self.slices:
-                if g is not None:
-                    g.zero_()
+        self.slices = cleared_slices(self.slices, set_to_none)
         for p in self.params:
             p.grad = None
         self._set_user_grads(None)

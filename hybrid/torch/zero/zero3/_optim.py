@@ -99,8 +99,7 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         self.state = self.optim.state
         self.step_in_backward = bool(step_in_backward)
         if self.step_in_backward:
-            current = module._grads.on_slice_reduced
-            if isinstance(current, _StepInBackward) and current.alive:
+            if module._grads.steps_in_backward:
                 raise ValueError("ZeRO3Optimizer(step_in_backward=True): this ZeRO3 model already steps in its "
                                  "backward with another ZeRO3Optimizer; one optimizer per model (delete the other "
                                  "first)")

@@ -281,7 +281,7 @@ class Schedule:
             return
         needed = tuple(b for b in self.needs[module] if not self.grads.complete[b])
         if needed:
-            if self.grads.on_slice_reduced is not None:
+            if self.grads.steps_in_backward:
                 # stepping in the backward is for memory: the last bucket's reduction ends (and
                 # its step runs) before this module gathers and computes, so its full gradient
                 # bucket is not alive beside this module's gathered parameters and gradients
