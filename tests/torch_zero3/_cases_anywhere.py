@@ -40,9 +40,11 @@ def _declared(model: Siblings) -> dict:
     return {"external_params": {model.reader: [model.mix.weight], model: [model.out.weight, model.out.bias]}}
 
 
-def used_anywhere(rank: int, world_size: int, *, model: str, layout: str, declare: bool = False) -> None:
+def used_anywhere(rank: int, world_size: int, *, model: str, layout: str, declare: bool = False,
+                  step_in_backward: bool = False) -> None:
     make, data = MODELS[model]
-    pair = Pair("adam", LAYOUTS[layout], model=make(), zero3_options=_declared if declare else None)
+    pair = Pair("adam", LAYOUTS[layout], model=make(), zero3_options=_declared if declare else None,
+                optimizer_options={"step_in_backward": step_in_backward})
     launched = _count_reductions(pair)
     for step in range(3):
         del launched[:]
@@ -87,4 +89,6 @@ CASES = {f"used_anywhere[{m}-{layout}]": functools.partial(used_anywhere, model=
          for m in MODELS for layout in ("default", "four_buckets", "four_buckets_kept", "memory_policy")}
 CASES["used_anywhere[siblings-four_buckets-declared]"] = functools.partial(
     used_anywhere, model="siblings", layout="four_buckets", declare=True)
+CASES.update({f"used_anywhere[{m}-four_buckets-step_in_backward]": functools.partial(
+    used_anywhere, model=m, layout="four_buckets", step_in_backward=True) for m in MODELS})
 CASES.update({f"inner_module_calls[{m}]": functools.partial(inner_module_calls, model=m) for m in MODELS})
