@@ -331,3 +331,7 @@ CASES["step_in_backward_habits"] = step_in_backward_habits
 from tests.torch_zero3 import _cases_anywhere  # noqa: E402 - merged: one spawn per world runs both tables
 
 CASES.update(_cases_anywhere.CASES)
+
+from tests.torch_zero3 import _cases_offload  # noqa: E402 - merged, as _cases_anywhere
+
+CASES.update(_cases_offload.CASES)

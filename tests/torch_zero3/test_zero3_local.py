@@ -13,6 +13,7 @@ import torch
 
 import hybrid.torch.zero._parts
 import hybrid.torch.zero.zero3._model
+import hybrid.torch.zero.zero3._offload
 import hybrid.torch.zero.zero3._optim
 import hybrid.torch.zero.zero3._shards
 from hybrid.torch import GradientInShards, ZeRO3, ZeRO3Optimizer
@@ -21,7 +22,8 @@ from tests.torch_zero2.test_zero2_local import world_of_one  # noqa: F401 - a fi
 
 
 @pytest.mark.parametrize("module", [hybrid.torch.zero.zero3._model, hybrid.torch.zero.zero3._optim,
-                                    hybrid.torch.zero.zero3._shards, hybrid.torch.zero._parts])
+                                    hybrid.torch.zero.zero3._offload, hybrid.torch.zero.zero3._shards,
+                                    hybrid.torch.zero._parts])
 def test_module_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -254,3 +256,27 @@ def test_step_in_backward_follows_the_optimizer_that_asked_for_it(world_of_one):
     with model.gathered():
         assert not torch.equal(model.module.weight, before)
     assert second.grad_numel() == 0
+
+
+def test_offload_dir_refuses_what_cannot_hold_state(world_of_one, tmp_path):
+    """offload_dir names the directory it cannot use, before any state exists; a usable one leaves
+    no files behind (each is unlinked as it is mapped) and its state goes when the optimizer does."""
+    import gc
+
+    model = ZeRO3(torch.nn.Linear(4, 2))
+    missing = tmp_path / "missing"
+    with pytest.raises(ValueError, match=f"offload_dir={str(missing)!r} is not a directory"):
+        ZeRO3Optimizer(model, torch.optim.Adam, offload_dir=missing)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        ZeRO3Optimizer(model, torch.optim.Adam, offload_dir=a_file)
+    opt = ZeRO3Optimizer(model, torch.optim.Adam, lr=0.1, offload_dir=tmp_path)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    assert opt.offloaded_bytes() == 4 * opt.state_numel() == 80  # exp_avg, exp_avg_sq of 10 elements
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    files = opt._files
+    del opt
+    gc.collect()
+    assert files.held_bytes() == 0

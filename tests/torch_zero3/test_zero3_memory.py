@@ -9,7 +9,8 @@ every thread), at world sizes 2, 3 and 4, beside torch's DDP and FSDP2 on the sa
   alive at once) stays within :func:`hybrid.core.zero3_memory`'s stated bound.
 - ``ZeRO3Optimizer(step_in_backward=True)`` holds the same between steps, its backward leaves no
   gradient slice behind (the default's leaves this rank's float32 share), and its peak is no
-  higher.
+  higher. With ``offload_dir`` too, Adam's moments live in files: a rank holds its parameter slices
+  alone, and peaks that much lower.
 - The peak of live tensor bytes over a whole step is no higher than FSDP2's (``fully_shard`` per
   layer, as torch recommends), on an MLP whose layers are each a bucket of the default plan; and on
   100 Linear(32, 32) with ``policy="memory"`` (a bucket per module, FSDP2's unit of gathering,
@@ -19,6 +20,7 @@ every thread), at world sizes 2, 3 and 4, beside torch's DDP and FSDP2 on the sa
 """
 
 import gc
+import tempfile
 
 import pytest
 import torch
@@ -44,7 +46,8 @@ def _measure(world, rank, port, out):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=45))
-    report = {"mlp": _measure_model(world, rank, WIDTHS, ("ddp", "fsdp2", "zero3", "zero3_in_backward")),
+    report = {"mlp": _measure_model(world, rank, WIDTHS, ("ddp", "fsdp2", "zero3", "zero3_in_backward",
+                                                             "zero3_offload")),
               "small": _measure_model(world, rank, SMALL, ("fsdp2", "zero3", "zero3_memory"))}
     out.put((rank, report, 0.0))
     dist.destroy_process_group()
@@ -64,6 +67,7 @@ def _measure_model(world, rank, widths, variants):
     torch.set_num_threads(1)
     x = torch.randn(32, widths[0], generator=torch.Generator().manual_seed(rank))
     report = {}
+    offload_dir = tempfile.TemporaryDirectory()
     for name in variants:
         gc.collect()
         base = _live.live_bytes()
@@ -80,7 +84,9 @@ def _measure_model(world, rank, widths, variants):
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         else:
             net = ZeRO3(model, policy="memory" if name == "zero3_memory" else "speed")
-            opt = ZeRO3Optimizer(net, torch.optim.Adam, lr=1e-3, step_in_backward=name == "zero3_in_backward")
+            opt = ZeRO3Optimizer(net, torch.optim.Adam, lr=1e-3,
+                                 step_in_backward=name in ("zero3_in_backward", "zero3_offload"),
+                                 offload_dir=offload_dir.name if name == "zero3_offload" else None)
         del model
         peaks, grads = [], []
         for step in range(3):
@@ -99,9 +105,11 @@ def _measure_model(world, rank, widths, variants):
             stats = net.memory_stats()
             bound = zero3_memory(net.shards, 8, prefetch=net.prefetch).gathered_bytes
             report[name].update(padded=sum(net.shards.shard_sizes), runs=len(opt._segments),
+                                offloaded=opt.offloaded_bytes(),
                                 working=stats["working_set"], bound=bound,
                                 buckets=net.bucket_plan.num_buckets)
         del net, opt
+    offload_dir.cleanup()
     return report
 
 
@@ -133,6 +141,13 @@ def test_memory_per_rank(live_counter, world):
         assert 4 * z["padded"] <= z["after_backward"] <= 4 * z["padded"] + 4, z
         assert zib["after_backward"] <= 4, zib  # at most the stand-ins' shared zero
         assert zib["peak"] <= z["peak"], (zib, z)
+        # offload_dir: the moments (8 bytes an element) in files, out of the held bytes and the peak
+        off = r["zero3_offload"]
+        print(f"world {world} rank {rank}: offload_dir: held {off['held']}, in files {off['offloaded']}, peak "
+              f"{off['peak']}")
+        assert off["offloaded"] == 8 * off["padded"], off
+        assert 0 <= off["held"] - (4 * off["padded"] + 4 * off["runs"]) <= 4, off
+        assert off["peak"] <= zib["peak"] - 8 * off["padded"] + 4, (off, zib)
         # 100 small layers: the memory policy (a bucket per layer) peaks no higher than FSDP2 per layer;
         # the default plan's buckets of many layers hold more at once (within its bound) and peak higher.
         fsdp, layer, default = small["fsdp2"], small["zero3_memory"], small["zero3"]

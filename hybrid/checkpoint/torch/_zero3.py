@@ -36,13 +36,13 @@ def _numpy_slice(t: torch.Tensor, dtype: str) -> np.ndarray:
     return t.numpy()
 
 
-def _torch_slice(a: np.ndarray, dtype: torch.dtype, device: torch.device, *, own: bool = False) -> torch.Tensor:
-    """``a`` as a torch tensor; ``own``: in memory of its own (optimizer state that stays: a view
-    of the read buffer would keep all of it alive, outside torch's allocator)."""
+def _torch_slice(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``a`` as a torch tensor: a view of the read buffer where no conversion is needed (what stays
+    past the load is copied by the caller: a view would keep the whole buffer alive)."""
     t = torch.from_numpy(np.ascontiguousarray(a))
     if a.dtype == np.uint16:
         t = t.view(torch.int16).view(torch.bfloat16)
-    return t.to(device=device, dtype=dtype, copy=own)
+    return t.to(device=device, dtype=dtype)
 
 
 def _group_state(optimizer) -> dict[int, tuple[int | None, list[str]]]:
@@ -176,7 +176,7 @@ def _optimizer_slices(ckpt: CheckpointReader, reshard, model, optimizer, hyperpa
                 raise CheckpointError(f"{ckpt.path}: {slot} is saved for {held} but not for the other parameters "
                                       f"of their flat run {sorted(set(members) - set(held))}")
             if held:
-                st[TORCH_KEY_OF_SLOT.get(slot, slot)] = _torch_slice(slots[slot][seg.bucket][seg.lo:seg.hi],
-                                                                     torch.float32, master.device, own=True)
+                st[TORCH_KEY_OF_SLOT.get(slot, slot)] = optimizer._keep_state(
+                    _torch_slice(slots[slot][seg.bucket][seg.lo:seg.hi], torch.float32, master.device))
         state[master] = st
     return state, groups

@@ -12,10 +12,15 @@ the gradient of one bucket at a time instead of its whole share (``4 P / N`` byt
 gradient less at the peak), as torch's ``_apply_optimizer_in_backward`` does for FSDP. Memory
 first throughout: each reduction (and its step) is finished before the next module's backward
 gathers, instead of overlapping it.
+
+With ``offload_dir=`` the inner optimizer's state tensors live in memory-mapped files there
+(:mod:`._offload`), and ``step()`` steps bucket by bucket, so no more than one bucket's new state
+is ever in memory before it moves to its files.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +32,7 @@ from hybrid.torch.zero._parts import grads_on_masters, resolve_groups, run_closu
 from hybrid.torch.zero._zero2_grads import clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState
 from hybrid.torch.zero.zero3._model import ZeRO3
+from hybrid.torch.zero.zero3._offload import StateFiles
 
 __all__ = ["ZeRO3Optimizer"]
 
@@ -52,6 +58,10 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         its closure, ``zero_grad()`` has nothing to drop, gradient clipping is refused (it needs
         the whole gradient before any update), accumulate with ``model.no_sync()``, and a
         backward that raises part-way leaves the buckets stepped before it updated.
+      offload_dir: a directory to keep the optimizer's state tensors in (opt-in; CPU parameters;
+        default None, in memory): each is a memory-mapped file there, unlinked at once, stepped in
+        place, as DeepSpeed's NVMe offload keeps it; ``step()`` then steps bucket by bucket. Results
+        are bit for bit those without it; :meth:`offloaded_bytes` says how much the files hold.
       **defaults: forwarded to ``optimizer_class``.
 
     >>> import torch, torch.distributed as dist
@@ -72,7 +82,7 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
 
     def __init__(self, module: ZeRO3, optimizer_class: type[Optimizer],
                  param_groups: Iterable[dict[str, Any]] | None = None, *, step_in_backward: bool = False,
-                 **defaults: Any):
+                 offload_dir: str | os.PathLike | None = None, **defaults: Any):
         if not isinstance(module, ZeRO3):
             raise TypeError(f"ZeRO3Optimizer needs a hybrid.torch.ZeRO3 model, got {type(module).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -84,6 +94,7 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         self._group_of, self._torch_order, group_options = resolve_groups(
             param_groups, module._names, module._index_of, "ZeRO3Optimizer", "ZeRO3")
         self._plan, self._shards = module.bucket_plan, module.shards
+        self._files = None if offload_dir is None else StateFiles(offload_dir, module._buckets.slices[0].device)
         self._segments = self._shards.group_runs(self.rank, self._group_of)
         slices = module._buckets.slices
         self._masters = []
@@ -164,8 +175,15 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         loss = run_closure(closure)
         if self.step_in_backward:
             return loss
-        with grads_on_masters(self._segments, self._masters, self.module._grads.slices):
-            self.optim.step(**kwargs)
+        grads = self.module._grads.slices
+        # Offloaded, bucket by bucket: a first step's new state moves to its files one bucket at a
+        # time (elementwise optimizers: the same update as one step over all).
+        passes = [grads] if self._files is None else [
+            [g if c == b else None for c, g in enumerate(grads)] for b in range(len(grads))]
+        for bucket_grads in passes:
+            with grads_on_masters(self._segments, self._masters, bucket_grads):
+                self.optim.step(**kwargs)
+            self._settle([i for i, seg in enumerate(self._segments) if bucket_grads[seg.bucket] is not None])
         self._round_slices(range(len(self._segments)))
         return loss
 
@@ -177,8 +195,33 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         grads[b] = self.module._grads.slices[b]
         with grads_on_masters(self._segments, self._masters, grads):
             self.optim.step()
-        self._round_slices([i for i, seg in enumerate(self._segments) if seg.bucket == b])
+        mine = [i for i, seg in enumerate(self._segments) if seg.bucket == b]
+        self._settle(mine)
+        self._round_slices(mine)
         self.module._grads.slices[b] = None
+
+    def _settle(self, segments: Iterable[int]) -> None:
+        """With ``offload_dir``: the segments' state tensors made in memory move to their files."""
+        if self._files is not None:
+            for i in segments:
+                st = self.optim.state.get(self._masters[i])
+                if st:
+                    self._files.settle(st)
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of optimizer state this rank keeps in ``offload_dir``'s files (0 without it)."""
+        return 0 if self._files is None else self._files.held_bytes()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's per-parameter format, each rank keeping its slices (see ZeRO2's); with
+        ``offload_dir`` the loaded state moves to files."""
+        super().load_state_dict(state_dict)
+        self._settle(range(len(self._segments)))
+
+    def _keep_state(self, value: torch.Tensor) -> torch.Tensor:
+        """A state slice read from a checkpoint (a view of the read buffer), as the optimizer keeps
+        it: in memory of its own, or in its file with ``offload_dir`` (never both at once)."""
+        return value.clone() if self._files is None else self._files.keep(value)
 
     def _round_slices(self, segments: Iterable[int]) -> None:
         slices = self.module._buckets.slices
