@@ -10,8 +10,10 @@ holds ``16 P / N`` during a step: more than the budget at 2 and 3 ranks before a
 One that steps each bucket inside the backward (``step_in_backward=True``) never holds its share
 of the gradient, so ``12 P / N``: under the budget from 3 ranks on, with a quarter of ``16 P / 3``
 left for the gathered layers, the gradient bucket and the activations. At 2 ranks nothing that
-keeps the state on the rank fits (``12 P / 2`` is 1.125 budgets): that takes offloading, which
-hybrid does not do.
+keeps the state on the rank fits (``12 P / 2`` is 1.125 budgets): that takes offloading. With
+``offload_dir=`` Adam's moments live in memory-mapped files (DeepSpeed's NVMe offload; the page
+cache may keep them in RAM, outside the budget as host memory is outside a GPU's), so a rank holds
+its ``4 P / N`` of parameter slices and one bucket's working set.
 
 Each variant, on every rank, in its own allocator-counted window (``hybrid.bench._live``): build
 on the meta device, materialise, load a checkpoint (hybrid's own files for ZeRO3, torch's
@@ -21,7 +23,8 @@ timed interleaved, FSDP2 twice per round for the A/A row.
 
 Variants: ``fsdp2``; ``hybrid_zero3`` (``ZeRO3(meta_model)``, the speed-first default);
 ``hybrid_zero3_memory`` (``policy="memory"``); ``hybrid_zero3_in_backward`` (the default plan with
-``ZeRO3Optimizer(step_in_backward=True)``).
+``ZeRO3Optimizer(step_in_backward=True)``); ``hybrid_zero3_offload`` (that, with Adam's moments in
+files under the run's directory). The report gives each variant's bytes in files beside its peak.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table
 from hybrid.bench._zero3 import time_rounds, train_step
 
-VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory", "hybrid_zero3_in_backward")
+VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory", "hybrid_zero3_in_backward", "hybrid_zero3_offload")
 STATE_PER_BUDGET = 3  # the model's training state, in budgets (issue 36.6)
 REFERENCE = "fsdp2"
 ROUND = (*VARIANTS, REFERENCE + "'")
@@ -69,8 +72,9 @@ def _mlp(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _build(name: str, width: int, depth: int):
-    """``(module, optimizer)`` of a variant, from a meta-device build."""
+def _build(name: str, width: int, depth: int, offload_dir: str):
+    """``(module, optimizer)`` of a variant, from a meta-device build (``offload_dir``: where
+    ``hybrid_zero3_offload`` keeps Adam's moments)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -91,7 +95,9 @@ def _build(name: str, width: int, depth: int):
                 m.reset_parameters()
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
     zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed")
-    return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3, step_in_backward=name == "hybrid_zero3_in_backward")
+    offload = name == "hybrid_zero3_offload"
+    return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3, offload_dir=offload_dir if offload else None,
+                                 step_in_backward=name in ("hybrid_zero3_in_backward", "hybrid_zero3_offload"))
 
 
 def _save(name: str, net, opt, path: str) -> None:
@@ -134,8 +140,10 @@ def worker(rank: int, world: int, port: int, outdir: str, model: dict, batch: in
     width, depth = model["width"], model["depth"]
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
     paths = {name: os.path.join(outdir, f"ckpt-{world}-{name}") for name in VARIANTS}
+    offload_dir = os.path.join(outdir, f"offload-{world}-{rank}")
+    os.makedirs(offload_dir)
     for name in VARIANTS:  # the checkpoints the measured loads read, written outside their windows
-        net, opt = _build(name, width, depth)
+        net, opt = _build(name, width, depth, offload_dir)
         train_step(net, opt, x)
         _save(name, net, opt, paths[name])
         del net, opt
@@ -145,14 +153,15 @@ def worker(rank: int, world: int, port: int, outdir: str, model: dict, batch: in
         base = _live.live_bytes()
         _live.reset_peak()
         t0 = time.perf_counter()
-        net, opt = _build(name, width, depth)
+        net, opt = _build(name, width, depth, offload_dir)
         build = (_live.peak_bytes() - base, time.perf_counter() - t0)
         _load(name, net, opt, paths[name])
         load = _live.peak_bytes() - base
         for _ in range(3):
             train_step(net, opt, x)
         memory[name] = {"build": build[0], "build_s": build[1], "load": load, "peak": _live.peak_bytes() - base,
-                        "held": _live.live_bytes() - base}
+                        "held": _live.live_bytes() - base,
+                        "in_files": opt.offloaded_bytes() if hasattr(opt, "offloaded_bytes") else 0}
         runs[name] = (net, opt)
         del net, opt
     times = time_rounds(runs, ROUND, x, warmup=warmup, reps=reps)
@@ -171,13 +180,14 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
     rows, step_rows, groups = [], [], {}
     for world, ranks in results.items():
         budget = budget_bytes(width, depth)
-        fullest = {name: {k: max(r["memory"][name][k] for r in ranks) for k in ("build", "load", "peak", "held")}
-                   for name in VARIANTS}
+        fullest = {name: {k: max(r["memory"][name].get(k, 0) for r in ranks)
+                          for k in ("build", "load", "peak", "held", "in_files")} for name in VARIANTS}
         for name in VARIANTS:
             m = fullest[name]
             rows.append([world, f"{human_bytes(budget)} ({16 * p / budget:.2f}x)", name, human_bytes(m["build"]),
                          human_bytes(m["load"]), human_bytes(m["peak"]), f"{m['peak'] / budget:.3f}",
-                         f"{m['peak'] / fullest[REFERENCE]['peak']:.3f}", "yes" if m["peak"] <= budget else "NO"])
+                         f"{m['peak'] / fullest[REFERENCE]['peak']:.3f}", "yes" if m["peak"] <= budget else "NO",
+                         human_bytes(m["in_files"]) if m["in_files"] else ""])
         times = ranks[0]["times"]
         med = {name: statistics.median(t) for name, t in times.items()}
         group = f"{world} ranks"
@@ -188,14 +198,15 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
         if jax_rows and world in jax_rows:
             j = jax_rows[world]
             rows.append([world, f"{human_bytes(budget)}", "jax_zero3 (held)", human_bytes(j["init_held"]), "",
-                         human_bytes(j["held"]), f"{j['held'] / budget:.3f}", "", "yes" if j["held"] <= budget else "NO"])
+                         human_bytes(j["held"]), f"{j['held'] / budget:.3f}", "",
+                         "yes" if j["held"] <= budget else "NO", ""])
             rows.append([world, "", "jax_zero3 (+ step temp)", human_bytes(j["init_held"] + j["init_temp"]), "",
                          human_bytes(j["held"] + j["step_temp"]), f"{(j['held'] + j['step_temp']) / budget:.3f}", "",
-                         "yes" if j["held"] + j["step_temp"] <= budget else "NO"])
+                         "yes" if j["held"] + j["step_temp"] <= budget else "NO", ""])
     lines += ["", "peak per rank (the fullest rank), allocator-counted, from before the meta build: through the build, "
               "the load, and 3 steps", format_table(
                   ["ranks", "budget (model / budget)", "variant", "build", "+ load", "+ 3 steps", "/ budget",
-                   "/ FSDP2", "within"], rows),
+                   "/ FSDP2", "within", "in files"], rows),
               "", "step time, rank 0, medians of interleaved steps (forward + backward + Adam + zero_grad)",
               format_table(["group", "variant", "ms", "/ fsdp2 (medians)"], step_rows), "", ratio_table(groups, group="group")]
     return "\n".join(lines)
