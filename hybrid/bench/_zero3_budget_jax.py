@@ -3,19 +3,24 @@ born sharded (``hybrid.jax.init_shards``), 3 steps of ``zero(adam, stage=3)``; w
 holds (its slices of the parameters and of Adam's state, counted from the arrays' shards) and the
 temporaries XLA's compiled init and step say they need (``memory_analysis``), per device.
 
-    python -m hybrid.bench._zero3_budget_jax N WIDTH DEPTH BATCH OUT.json
+    python -m hybrid.bench._zero3_budget_jax N WIDTH DEPTH BATCH OUT.json [memory-first]
 
-Run in a process of its own: the device count must be set before JAX starts.
+``memory-first``: with :func:`hybrid.jax.use_memory_first_xla_cpu`'s XLA:CPU flags. Run in a
+process of its own: the device count and the flags must be set before JAX starts. OUT.json also
+holds the median step time over 5 more steps and a checksum of the trained parameters (their
+float64 sum), so runs with and without the flags can be compared.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+import time
 
 
-def main(world: int, width: int, depth: int, batch: int, out: str) -> None:
+def main(world: int, width: int, depth: int, batch: int, out: str, memory_first: bool = False) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={world}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -26,6 +31,9 @@ def main(world: int, width: int, depth: int, batch: int, out: str) -> None:
 
     import hybrid.jax as hj
     from hybrid.jax.sharded._init import born_sharded
+
+    if memory_first:
+        hj.use_memory_first_xla_cpu()
 
     mesh = Mesh(np.array(jax.devices()[:world]), ("dp",))
     bound = 1 / width ** 0.5
@@ -68,10 +76,17 @@ def main(world: int, width: int, depth: int, batch: int, out: str) -> None:
     for _ in range(3):
         shards, state = step(shards, state, x)
     jax.block_until_ready(shards)
+    held_after = held(shards, state)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        shards, state = jax.block_until_ready(step(shards, state, x))
+        times.append(time.perf_counter() - t0)
+    checksum = sum(float(np.asarray(b, np.float64).sum()) for b in shards.buckets)
     with open(out, "w") as f:
-        json.dump({"init_held": init_held, "init_temp": init_temp, "held": held(shards, state),
-                   "step_temp": step_temp}, f)
+        json.dump({"init_held": init_held, "init_temp": init_temp, "held": held_after, "step_temp": step_temp,
+                   "step_s": statistics.median(times), "checksum": checksum}, f)
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:5]), sys.argv[5])
+    main(*map(int, sys.argv[1:5]), sys.argv[5], memory_first=sys.argv[6:] == ["memory-first"])

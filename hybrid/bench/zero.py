@@ -252,11 +252,12 @@ def _budget(args, reps: int) -> None:
     for world in worlds:
         mp.spawn(budget.worker, args=(world, free_port(), outdir, model, 32, reps, 2), nprocs=world, join=True)
         results[world] = [torch.load(os.path.join(outdir, f"budget-world{world}-rank{r}.pt")) for r in range(world)]
-        out = os.path.join(outdir, f"jax-{world}.json")
-        subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(world), str(model["width"]),
-                        str(model["depth"]), "32", out], check=True)
-        with open(out) as f:
-            jax_rows[world] = json.load(f)
+        for flags in ("default", "memory-first"):  # XLA:CPU's own, then use_memory_first_xla_cpu's
+            out = os.path.join(outdir, f"jax-{world}-{flags}.json")
+            subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(world), str(model["width"]),
+                            str(model["depth"]), "32", out, *([flags] if flags == "memory-first" else [])], check=True)
+            with open(out) as f:
+                jax_rows.setdefault(world, {})[flags] = json.load(f)
         for name in budget.VARIANTS:  # the checkpoints its loads read: the model's state, every world size
             shutil.rmtree(os.path.join(outdir, f"ckpt-{world}-{name}"), ignore_errors=True)
     print("\n# a model no rank can hold: built on the meta device, loaded, trained 3 steps under a per-rank budget "
@@ -266,7 +267,8 @@ def _budget(args, reps: int) -> None:
           "(init_shards), after 3 steps; '+ step temp': with what XLA's compiled step says it needs beside them. "
           "The build column of '+ step temp' adds the init's temporaries (the most its programs need per device: "
           "each device computes 1/N of the initialisers, then the rows move into the buckets' slices a bucket at a "
-          "time).")
+          "time). 'memory-first': the same program with hybrid.jax.use_memory_first_xla_cpu()'s XLA:CPU flags; its "
+          "step time and XLA's own are from two processes, one after the other (not interleaved: indicative only).")
 
 
 def _zero12(args, reps: int) -> None:

@@ -1,0 +1,60 @@
+"""``hybrid.jax.use_memory_first_xla_cpu`` (issue 36, item 6, the JAX side): with its XLA:CPU flags
+a stage-3 step's compiled temporaries are this device's gradient share and one layer at a time
+(its gathered parameters and its full gradient), not the whole model twice, and training gives
+the same parameters. The budget bench's program (``hybrid.bench._zero3_budget_jax``: 8 x
+Linear(512, 512) + tanh, 8.0 MiB of float32 parameters, Adam, 4 host devices, ``init_shards``
+then 8 steps), in two processes: the flags must be set before JAX starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hybrid.jax as hj
+
+WIDTH, DEPTH, DEVICES = 512, 8, 4
+MiB = 2**20
+
+
+def _run(tmp_path, *extra: str) -> dict:
+    out = tmp_path / f"run{len(extra)}.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(DEVICES), str(WIDTH), str(DEPTH),
+                    "32", str(out), *extra], check=True, env=env, timeout=120)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(170)
+def test_memory_first_flags_keep_one_layer_gathered(tmp_path):
+    default, memory_first = _run(tmp_path), _run(tmp_path, "memory-first")
+    params = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
+    layer = (WIDTH * WIDTH + WIDTH) * 4
+    share = params / DEVICES  # this device's float32 gradient slices, alive until Adam's update
+    print({k: round(v / MiB, 2) for k, v in default.items() if k.endswith(("temp", "held"))},
+          {k: round(v / MiB, 2) for k, v in memory_first.items() if k.endswith(("temp", "held"))})
+    # XLA:CPU's default (docs/jax.md, "ZeRO-3"): every bucket gathered and every full gradient
+    # alive at once, twice the model whatever the device count; pinned so a change in XLA shows.
+    assert default["step_temp"] >= 2 * params
+    # The flags: the gradient share, one layer's gathered weight and its full gradient, and
+    # activations (32 x 512 float32 per layer and device: 64 KiB each; 0.5 MiB allowed).
+    assert memory_first["step_temp"] <= share + 2 * layer + MiB / 2, memory_first
+    # init_shards' programs: at most one bucket (a layer) moving into its slices at a time
+    assert memory_first["init_temp"] <= layer + 1024 < default["init_temp"], (memory_first, default)  # + scalars
+    assert memory_first["held"] == default["held"]  # the arrays kept between steps are the same
+    # The same programs' arithmetic: the trained parameters sum to the same float64 value (the two
+    # processes run on one machine, so XLA:CPU generates code for the same instructions).
+    assert memory_first["checksum"] == default["checksum"]
+
+
+def test_memory_first_flags_refused_once_jax_has_started(monkeypatch):
+    jnp.zeros(1).block_until_ready()  # the backend exists now: XLA has read XLA_FLAGS
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    with pytest.raises(RuntimeError, match="use_memory_first_xla_cpu: JAX's backend has started"):
+        hj.use_memory_first_xla_cpu()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"  # unchanged
+    assert jax.devices()  # and JAX still works
