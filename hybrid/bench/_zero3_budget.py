@@ -97,7 +97,7 @@ def _build(name: str, width: int, depth: int, offload_dir: str):
     zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed")
     offload = name == "hybrid_zero3_offload"
     return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3, offload_dir=offload_dir if offload else None,
-                                 step_in_backward=name in ("hybrid_zero3_in_backward", "hybrid_zero3_offload"))
+                                 step_in_backward=offload or name == "hybrid_zero3_in_backward")
 
 
 def _save(name: str, net, opt, path: str) -> None:
@@ -202,8 +202,8 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
                          human_bytes(j["held"]), f"{j['held'] / budget:.3f}", "",
                          "yes" if j["held"] <= budget else "NO", ""])
             rows.append([world, "", f"{label} (+ step temp)", human_bytes(j["init_held"] + j["init_temp"]), "",
-                         human_bytes(with_temp), f"{with_temp / budget:.3f}", "", "yes" if with_temp <= budget else "NO",
-                         ""])
+                         human_bytes(with_temp), f"{with_temp / budget:.3f}", "",
+                         "yes" if with_temp <= budget else "NO", ""])
             step_rows.append([f"{world} devices (JAX, its own process)", label, round(j["step_s"] * 1e3, 1), ""])
         jax_runs = (jax_rows or {}).get(world, {})
         if len(jax_runs) == 2:
@@ -215,6 +215,6 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
                   ["ranks", "budget (model / budget)", "variant", "build", "+ load", "+ 3 steps", "/ budget",
                    "/ FSDP2", "within", "in files"], rows),
               "", "step time, rank 0, medians of interleaved steps (forward + backward + Adam + zero_grad)",
-              format_table(["group", "variant", "ms", "/ fsdp2 (medians)"], step_rows), "", ratio_table(groups, group="group"),
-              *([""] + notes if notes else [])]
+              format_table(["group", "variant", "ms", "/ fsdp2 (medians)"], step_rows), "",
+              ratio_table(groups, group="group"), *([""] + notes if notes else [])]
     return "\n".join(lines)

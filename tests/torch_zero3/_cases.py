@@ -212,17 +212,30 @@ def no_future_warning(rank: int, world_size: int) -> None:
 def step_in_backward(rank: int, world_size: int, *, optim: str, layout: str, groups: bool = False) -> None:
     """ZeRO3Optimizer(step_in_backward=True): after each backward the parameters and the state are
     torch DDP + the optimizer's after backward and step(), already before the user's (now empty)
-    step(); each bucket's gradient slice is dropped as it is stepped, so one is alive at a time."""
+    step(); each bucket's gradient slice is dropped as it is stepped, so one is alive at a time.
+    Memory first: each bucket steps before the next module's backward gathers."""
     pair = Pair(optim, LAYOUTS[layout], groups=groups, optimizer_options={"step_in_backward": True})
-    alive, step_bucket = [], pair.zero._grads.on_slice_reduced
+    alive, events, step_bucket = [], [], pair.zero._grads.on_slice_reduced
     assert step_bucket is not None
 
-    def spy(b: int) -> None:
-        alive.append(sum(g is not None for g in pair.zero._grads.slices))
-        step_bucket(b)
-    pair.zero._grads.on_slice_reduced = spy
+    class Spy:  # the optimizer's callback, seen from the model (its attributes too)
+        alive = True
+
+        def __call__(self, b: int) -> None:
+            alive.append(sum(g is not None for g in pair.zero._grads.slices))
+            events.append("step")
+            step_bucket(b)
+    pair.zero._grads.on_slice_reduced = Spy()
+    gather = pair.zero._schedule._gather
+    pair.zero._schedule._gather = lambda *a: (events.append("gather") if a[-1] == "backward" else None, gather(*a))[1]
     for step in range(NUM_STEPS):
+        del events[:]
         pair.backward(batch(rank, step))
+        # Memory first: only the last bucket steps after the backward's last gather; the one before
+        # it finished reducing (and stepped) before the last module gathered (the default's
+        # overlapping order would leave two steps here: 'gather, gather, step, step').
+        last_gather = max(i for i, e in enumerate(events) if e == "gather")
+        assert events[last_gather + 1:] == ["step"], events
         assert pair.opt.grad_numel() == 0, f"step {step}: a gradient slice outlived its bucket's step"
         pair.ref_opt.step()
         pair.ref_opt.zero_grad()
