@@ -280,3 +280,14 @@ def test_offload_dir_refuses_what_cannot_hold_state(world_of_one, tmp_path):
     del opt
     gc.collect()
     assert files.held_bytes() == 0
+
+
+def test_offload_dir_in_memory_is_warned_about(world_of_one):
+    """A directory on tmpfs keeps the 'offloaded' state in memory: the user is told, by name."""
+    from hybrid.torch.zero.zero3._offload import filesystem_type
+
+    if filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    model = ZeRO3(torch.nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"offload_dir='/dev/shm' is on tmpfs, whose files live in memory"):
+        ZeRO3Optimizer(model, torch.optim.Adam, offload_dir="/dev/shm")

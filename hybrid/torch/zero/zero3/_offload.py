@@ -14,10 +14,36 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 import weakref
 from typing import Any
 
 import torch
+
+# File systems whose files live in memory: state kept there frees none of it.
+_IN_MEMORY = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the file system ``path`` is on, from ``/proc/mounts`` (None where there is none:
+    not Linux). The mount point that is the longest prefix of the path's real path wins.
+
+    >>> filesystem_type("/proc") in ("proc", None)
+    True
+    """
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for point, kind in mounts:
+        point = point.replace("\\040", " ")  # /proc/mounts escapes spaces
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, kind)
+    return best[1] if best else None
 
 
 class StateFiles:
@@ -42,6 +68,10 @@ class StateFiles:
             # (state stepped in place where it lives) exists.
             raise ValueError(f"offload_dir: the parameters are on {device}; offloading the optimizer state is "
                              f"built for CPU parameters only")
+        kind = filesystem_type(directory)
+        if kind in _IN_MEMORY:
+            warnings.warn(f"offload_dir={directory!r} is on {kind}, whose files live in memory: the optimizer state "
+                          f"kept there frees no memory; give a directory on a disk", stacklevel=3)
         self.directory = directory
         self._made: dict[int, weakref.ref] = {}  # id -> the tensor, for holds() (== on tensors is elementwise)
 
