@@ -18,14 +18,32 @@ reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 _WHY = "failed (a peer died or stalled past the process group's timeout)"
 
 
+# torch's own check under TORCH_DISTRIBUTED_DEBUG=DETAIL (ProcessGroupWrapper): every collective's
+# fingerprint compared over the ranks before it runs.
+_TORCH_MISMATCH = "Detected mismatch between collectives"
+_MISMATCH = "failed: torch's collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) found the ranks in different collectives"
+_DETAIL_HINT = ("if a rank may be in a collective of its own instead (a dist.barrier() or a save on some ranks only), "
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch name both collectives at once instead of waiting")
+
+
 def collective_failed(what: str, error: BaseException) -> RuntimeError:
-    """``error`` (a collective's) as a RuntimeError that names the collective.
+    """``error`` (a collective's) as a RuntimeError that names the collective, and says why it may
+    have failed: a peer that died or stalled (with, for a wait that ran out, how to have torch
+    name a peer that is in another collective), or torch's own mismatch check.
 
     >>> str(collective_failed("DistributedDataParallel: the all-reduce of gradient bucket 0",
     ...                       RuntimeError("Connection closed by peer")))[:60]
     'DistributedDataParallel: the all-reduce of gradient bucket 0'
+    >>> "TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch name" in str(collective_failed("x", RuntimeError("timed out")))
+    True
     """
-    return RuntimeError(f"{what} {_WHY}: {error}")
+    text = str(error)
+    if _TORCH_MISMATCH in text:
+        return RuntimeError(f"{what} {_MISMATCH}: a rank is in a collective of its own (a dist.barrier() or a "
+                            f"save on some ranks only, say) while the others are here; every rank must reach the "
+                            f"same collectives in the same order: {error}")
+    hint = f" ({_DETAIL_HINT})" if not peer_gone(error) else ""
+    return RuntimeError(f"{what} {_WHY}{hint}: {error}")
 
 
 # How gloo and NCCL word a peer that went away or a wait that ran out (their errors reach Python as
@@ -76,7 +94,7 @@ def naming(what: str, *, user_code: bool = False):
     try:
         yield
     except RuntimeError as e:  # gloo/NCCL errors and DistBackendError (a subclass)
-        if _WHY in str(e) or (user_code and not is_collective_failure(e)):
+        if _WHY in str(e) or _MISMATCH in str(e) or (user_code and not is_collective_failure(e)):
             raise  # already named (a comm hook's own), or the user's own error: surface it as it is
         raise collective_failed(what, e) from e
 

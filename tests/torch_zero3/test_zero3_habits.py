@@ -58,3 +58,24 @@ def test_rank0_only_save_fails_at_once_on_every_rank(results, num_buckets):
     assert all(full[r] == {"keys": 0, "same": True} for r in range(1, world))
     files = by_check[f"per_rank_save[{num_buckets}]"][0]["files"]
     assert files == ["manifest.json"] + [f"rank-{r:05d}-of-{world:05d}.safetensors" for r in range(world)]
+
+
+@pytest.mark.timeout(170)
+def test_a_rank_in_its_own_collective_is_named_under_torchs_check(tmp_path):
+    """Rank 0 in a ``dist.barrier()`` of its own while rank 1 runs a ZeRO3 forward: hybrid's check
+    cannot see a collective it does not issue (the ranks would wait out the group's timeout), but
+    with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch compares every collective first, and both ranks
+    raise at once; rank 1's error names its ZeRO3 call, torch's finding and the fix."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "tests" / "torch_zero3" / "_mixed_script.py"), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    finish([subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)],
+           "torchrun with 2 processes", timeout_s=150)
+    rows = [json.loads((tmp_path / f"mixed-{r}.json").read_text()) for r in range(2)]
+    for rank, row in enumerate(rows):
+        assert row["seconds"] < 5, (rank, row)
+        assert "Detected mismatch between collectives" in row["outcome"], (rank, row)
+    outcome = rows[1]["outcome"]
+    assert outcome.startswith("ZeRO3 forward: the check that every rank entered this call"), outcome
+    # (torch's account of what rank 0 is in varies from run to run: BARRIER, or a REDUCE of its own)
+    assert "found the ranks in different collectives" in outcome and "dist.barrier()" in outcome, outcome
