@@ -129,10 +129,10 @@ def load_zero3(path, model, optimizer, *, scheduler, hyperparameters: str, buffe
         raise CheckpointError(f"{ckpt.path}: holds no LR scheduler state (saved without scheduler=)")
     reshard = ckpt.reshard_to(model.shards)
     ckpt.verify(reshard.sources(model.rank))
-    params = ckpt.slices("params", reshard, model.rank)
     new_state, new_groups = None, None
-    if optimizer is not None:
+    if optimizer is not None:  # first: offloaded, the state goes to new files, and its read buffers go
         new_state, new_groups = _optimizer_slices(ckpt, reshard, model, optimizer, hyperparameters, saved_groups)
+    params = ckpt.slices("params", reshard, model.rank)
     saved_buffers = ckpt.buffers() if buffers else {}
     # Nothing has changed so far; from here on the inputs are all checked.
     with torch.no_grad():
@@ -152,12 +152,15 @@ def load_zero3(path, model, optimizer, *, scheduler, hyperparameters: str, buffe
 
 
 def _optimizer_slices(ckpt: CheckpointReader, reshard, model, optimizer, hyperparameters: str, saved_groups):
-    """The inner optimizer's new state (per master segment) and groups' hyperparameters."""
+    """The inner optimizer's new state (per master segment) and groups' hyperparameters.
+
+    Every check runs before any state is read. In memory, every slot is read in one pass over the
+    files; with ``offload_dir``, one slot at a time, each moved into its files before the next is
+    read, so the read buffers hold one slot of this rank's slices at most."""
     names = model._names
     info, groups = saved_groups(ckpt, optimizer, {id(p): n for p, n in zip(model._params, names)}, hyperparameters)
-    read = ckpt.slices_of(info.slots, reshard, [model.rank])  # every slot in one pass over the files
-    slots = {slot: read[slot, model.rank] for slot in info.slots}
     state: dict[torch.Tensor, dict[str, Any]] = {}
+    wanted: dict[str, list[tuple[Any, torch.Tensor]]] = {slot: [] for slot in info.slots}  # slot -> segments
     for seg, master in zip(optimizer._segments, optimizer._masters):
         members = [names[s.tensor] for s in model.shards.member_slices(seg.bucket, model.rank)
                    if s.shard_offset < seg.hi and s.shard_offset + s.stop - s.start > seg.lo]
@@ -169,14 +172,20 @@ def _optimizer_slices(ckpt: CheckpointReader, reshard, model, optimizer, hyperpa
             raise CheckpointError(f"{ckpt.path}: parameters {sorted(members)} share one flat run of ZeRO3's slices "
                                   f"but were saved with different optimizer state (state for {sorted(with_state)}, "
                                   f"step counts {sorted(counts)}): a flat run steps as one tensor")
-        st: dict[str, Any] = {} if info.name == "sgd" else {"step": torch.tensor(float(counts.pop()))}
+        state[master] = {} if info.name == "sgd" else {"step": torch.tensor(float(counts.pop()))}
         for slot in info.slots:
             held = [n for n in members if info.holds(slot, n)]
             if held and len(held) != len(members):
                 raise CheckpointError(f"{ckpt.path}: {slot} is saved for {held} but not for the other parameters "
                                       f"of their flat run {sorted(set(members) - set(held))}")
             if held:
-                st[TORCH_KEY_OF_SLOT.get(slot, slot)] = optimizer._keep_state(
-                    _torch_slice(slots[slot][seg.bucket][seg.lo:seg.hi], torch.float32, master.device))
-        state[master] = st
+                wanted[slot].append((seg, master))
+    passes = [list(info.slots)] if optimizer._files is None else [[slot] for slot in info.slots]
+    for slots in passes:
+        read = ckpt.slices_of(slots, reshard, [model.rank])
+        for slot in slots:
+            for seg, master in wanted[slot]:
+                state[master][TORCH_KEY_OF_SLOT.get(slot, slot)] = optimizer._keep_state(
+                    _torch_slice(read[slot, model.rank][seg.bucket][seg.lo:seg.hi], torch.float32, master.device))
+        del read
     return state, groups
