@@ -260,6 +260,7 @@ def _budget(args, reps: int) -> None:
                 jax_rows.setdefault(world, {})[flags] = json.load(f)
         for name in budget.VARIANTS:  # the checkpoints its loads read: the model's state, every world size
             shutil.rmtree(os.path.join(outdir, f"ckpt-{world}-{name}"), ignore_errors=True)
+    shutil.rmtree(outdir, ignore_errors=True)  # the ranks' results, read; the emptied offload directories
     print("\n# a model no rank can hold: built on the meta device, loaded, trained 3 steps under a per-rank budget "
           "(hybrid ZeRO3 and torch FSDP2, gloo; JAX stage 3 on host devices)")
     print(budget.report(results, model, jax_rows))
