@@ -12,10 +12,9 @@ of the gradient, so ``12 P / N`` in training: under the budget from 3 ranks on, 
 ``16 P / 3`` left for the gathered layers, the gradient bucket and the activations; but its load
 reads the slices into numpy buffers beside the state it loads, over the budget at 3 ranks. At 2
 ranks nothing that keeps the state on the rank fits (``12 P / 2`` is 1.125 budgets): that takes
-offloading. With
-``offload_dir=`` Adam's moments live in memory-mapped files (DeepSpeed's NVMe offload; the page
-cache may keep them in RAM, outside the budget as host memory is outside a GPU's), so a rank holds
-its ``4 P / N`` of parameter slices and one bucket's working set.
+offloading. With ``offload_dir=`` Adam's moments live in memory-mapped files (DeepSpeed's NVMe
+offload; the page cache may keep them in RAM, outside the budget as host memory is outside a
+GPU's), so a rank holds its ``4 P / N`` of parameter slices and one bucket's working set.
 
 Each variant, on every rank, in its own allocator-counted window (``hybrid.bench._live``, and
 ``tracemalloc`` for the load's buffers outside torch's allocator): build
@@ -194,10 +193,9 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
         fullest = {}
         for name in VARIANTS:
             mem = [r["memory"][name] for r in ranks]
-            m = {k: max(x.get(k, 0) for x in mem)
-                 for k in ("build", "load", "read_buffers", "peak", "held", "in_files")}
+            m = {k: max(x[k] for x in mem) for k in ("build", "load", "read_buffers", "peak", "held", "in_files")}
             # the window's peak with the load's read buffers (outside torch's allocator) on top of the load's: a bound
-            m["peak"] = max(m["peak"], max(x["load"] + x.get("read_buffers", 0) for x in mem))
+            m["peak"] = max(m["peak"], max(x["load"] + x["read_buffers"] for x in mem))
             fullest[name] = m
         for name in VARIANTS:
             m = fullest[name]
@@ -212,7 +210,8 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
                       for name in VARIANTS]
         groups[group] = ([Ratio(name, REFERENCE, times[name], times[REFERENCE]) for name in VARIANTS[1:]],
                          Ratio(REFERENCE + "'", REFERENCE, times[REFERENCE + "'"], times[REFERENCE]))
-        for flags, j in (jax_rows or {}).get(world, {}).items():
+        jax_runs = (jax_rows or {}).get(world, {})
+        for flags, j in jax_runs.items():
             label = "jax_zero3" if flags == "default" else "jax_zero3 memory-first"
             with_temp = j["held"] + j["step_temp"]
             rows.append([world, f"{human_bytes(budget)}", f"{label} (held)", human_bytes(j["init_held"]), "", "",
@@ -222,7 +221,6 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
                          human_bytes(with_temp), f"{with_temp / budget:.3f}", "",
                          "yes" if with_temp <= budget else "NO", ""])
             step_rows.append([f"{world} devices (JAX, its own process)", label, round(j["step_s"] * 1e3, 1), ""])
-        jax_runs = (jax_rows or {}).get(world, {})
         if len(jax_runs) == 2:
             same = jax_runs["default"]["checksum"] == jax_runs["memory-first"]["checksum"]
             notes.append(f"{world} devices: JAX's trained parameters with and without the memory-first flags "

@@ -175,29 +175,32 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
         loss = run_closure(closure)
         if self.step_in_backward:
             return loss
-        grads = self.module._grads.slices
-        # Offloaded, bucket by bucket: a first step's new state moves to its files one bucket at a
-        # time (elementwise optimizers: the same update as one step over all).
-        passes = [grads] if self._files is None else [
-            [g if c == b else None for c, g in enumerate(grads)] for b in range(len(grads))]
-        for bucket_grads in passes:
-            with grads_on_masters(self._segments, self._masters, bucket_grads):
+        if self._files is None:
+            with grads_on_masters(self._segments, self._masters, self.module._grads.slices):
                 self.optim.step(**kwargs)
-            self._settle([i for i, seg in enumerate(self._segments) if bucket_grads[seg.bucket] is not None])
+        else:  # bucket by bucket: a first step's new state reaches its files a bucket at a time
+            for b in range(len(self.module._grads.slices)):
+                self._step_runs_of(b, **kwargs)
         self._round_slices(range(len(self._segments)))
         return loss
+
+    def _step_runs_of(self, b: int, **kwargs: Any) -> list[int]:
+        """Step bucket ``b``'s runs with its gradient slice (runs of other buckets have none, so the
+        inner optimizer skips them: elementwise, the same update as one step over all); with
+        ``offload_dir`` their new state moves to its files. Returns the runs' indices."""
+        grads = [None] * len(self.module._grads.slices)
+        grads[b] = self.module._grads.slices[b]
+        with grads_on_masters(self._segments, self._masters, grads):
+            self.optim.step(**kwargs)
+        mine = [i for i, seg in enumerate(self._segments) if seg.bucket == b]
+        self._settle(mine)
+        return mine
 
     @torch.no_grad()
     def _step_bucket(self, b: int) -> None:
         """Inside the backward: step bucket ``b``'s runs with its just-reduced slice, then drop
-        the slice. Runs of other buckets have no gradient, so the inner optimizer skips them."""
-        grads = [None] * len(self.module._grads.slices)
-        grads[b] = self.module._grads.slices[b]
-        with grads_on_masters(self._segments, self._masters, grads):
-            self.optim.step()
-        mine = [i for i, seg in enumerate(self._segments) if seg.bucket == b]
-        self._settle(mine)
-        self._round_slices(mine)
+        the slice."""
+        self._round_slices(self._step_runs_of(b))
         self.module._grads.slices[b] = None
 
     def _settle(self, segments: Iterable[int]) -> None:
