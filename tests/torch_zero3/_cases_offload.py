@@ -1,7 +1,8 @@
 """Cases for ``ZeRO3Optimizer(offload_dir=)`` (issue 36, item 6 at 2 ranks), run in the worlds of
 ``test_zero3_dist`` (``_cases`` merges them): with the optimizer's state in memory-mapped files the
 parameters and the state are those of torch's DDP + the plain optimizer (``_pair``'s tolerance:
-bit for bit at 1 and 2 ranks), after ``step()`` and with ``step_in_backward``; every state tensor
+bit for bit at 1 and 2 ranks), after ``step()`` and with ``step_in_backward``, also on a GPT whose
+tied head is read in the parent's forward; every state tensor
 lives in a file the directory no longer lists; and a checkpoint saved from and loaded into an
 offloaded optimizer (hybrid's files and torch's state-dict format) puts the state in files."""
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from hybrid.checkpoint import torch as checkpoint
 from hybrid.torch import ZeRO3Optimizer
 from tests.torch_zero._cases import batch
+from tests.torch_zero3._models import TinyGPT, tokens
 from tests.torch_zero3._pair import LAYOUTS, Pair
 
 NUM_STEPS = 3
@@ -45,6 +47,20 @@ def offload(rank: int, world_size: int, *, optim: str, layout: str, groups: bool
             pair.step()
             pair.check(world_size, f"step {step}")
             pair.check_state(f"step {step}")
+            _state_in_files(pair.opt, directory, f"step {step}")
+        del pair
+
+
+def offload_tiny_gpt(rank: int, world_size: int) -> None:
+    """A model whose head is read in the parent's forward (the tied embedding) and whose root owns
+    a position table, stepped in the backward with its state in files: DDP's parameters."""
+    with tempfile.TemporaryDirectory() as directory:
+        pair = Pair("adam", LAYOUTS["four_buckets"], model=TinyGPT(),
+                    optimizer_options={"offload_dir": directory, "step_in_backward": True})
+        for step in range(NUM_STEPS):
+            pair.backward(tokens(rank, step))
+            pair.step()
+            pair.check(world_size, f"step {step}")
             _state_in_files(pair.opt, directory, f"step {step}")
         del pair
 
@@ -98,3 +114,4 @@ CASES = {f"offload[{o}-{layout}{'-two_groups' if g else ''}{'-step_in_backward' 
     for o, layout, g, sib in (("adam", "four_buckets", False, False), ("sgd_momentum", "memory_policy", False, False),
                               ("adamw", "six_buckets_prefetch_3", True, True), ("adam", "default", False, True))}
 CASES["offload_checkpoints"] = offload_checkpoints
+CASES["offload_tiny_gpt"] = offload_tiny_gpt
