@@ -218,14 +218,11 @@ def step_in_backward(rank: int, world_size: int, *, optim: str, layout: str, gro
     alive, events, step_bucket = [], [], pair.zero._grads.on_slice_reduced
     assert step_bucket is not None
 
-    class Spy:  # the optimizer's callback, seen from the model (its attributes too)
-        alive = True
-
-        def __call__(self, b: int) -> None:
-            alive.append(sum(g is not None for g in pair.zero._grads.slices))
-            events.append("step")
-            step_bucket(b)
-    pair.zero._grads.on_slice_reduced = Spy()
+    def spy(b: int) -> None:
+        alive.append(sum(g is not None for g in pair.zero._grads.slices))
+        events.append("step")
+        step_bucket(b)
+    pair.zero._grads.on_slice_reduced = spy
     gather = pair.zero._schedule._gather
     pair.zero._schedule._gather = lambda *a: (events.append("gather") if a[-1] == "backward" else None, gather(*a))[1]
     for step in range(NUM_STEPS):
