@@ -9,7 +9,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = ["hybrid.core._arrays", "hybrid.core._assign", "hybrid.core._buckets", "hybrid.core._dtypes", "hybrid.core._graph_split", "hybrid.core._reducer_state",
            "hybrid.core.mapping._layout", "hybrid.core.mapping._mapping", "hybrid.core.mapping._pairing",
-           "hybrid.core._memory", "hybrid.core._reshard", "hybrid.core._shard", "hybrid.core._spec", "hybrid.cli._table",
+           "hybrid.core._memory", "hybrid.core._reshard", "hybrid.core._shard", "hybrid.core._spec", "hybrid.core._state_dir", "hybrid.cli._table",
            "hybrid.bench._stats", "hybrid.core.cost._collectives", "hybrid.core.cost._step", "hybrid.core.cost._stream", "hybrid.core.cost._timeline", "hybrid.core._zero3",
            "hybrid.core.cost._auto"]
 

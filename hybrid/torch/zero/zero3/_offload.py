@@ -14,36 +14,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
-# File systems whose files live in memory: state kept there frees none of it.
-_IN_MEMORY = ("tmpfs", "ramfs")
+from hybrid.core._state_dir import filesystem_type, offload_directory
 
-
-def filesystem_type(path: str) -> str | None:
-    """The type of the file system ``path`` is on, from ``/proc/mounts`` (None where there is none:
-    not Linux). The mount point that is the longest prefix of the path's real path wins.
-
-    >>> filesystem_type("/proc") in ("proc", None)
-    True
-    """
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:3] for line in f]
-    except OSError:
-        return None
-    real = os.path.realpath(path)
-    best = None
-    for point, kind in mounts:
-        point = point.replace("\\040", " ")  # /proc/mounts escapes spaces
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[0])):
-            best = (point, kind)
-    return best[1] if best else None
+__all__ = ["StateFiles", "filesystem_type"]
 
 
 class StateFiles:
@@ -58,20 +36,12 @@ class StateFiles:
     """
 
     def __init__(self, directory: str | os.PathLike, device: torch.device):
-        directory = os.fspath(directory)
-        if not os.path.isdir(directory):
-            raise ValueError(f"offload_dir={directory!r} is not a directory")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise ValueError(f"offload_dir={directory!r} is not writable by this process")
+        directory = offload_directory(directory, stacklevel=3)
         if device.type != "cpu":
             # A device's state would go through host buffers bucket by bucket; only the CPU path
             # (state stepped in place where it lives) exists.
             raise ValueError(f"offload_dir: the parameters are on {device}; offloading the optimizer state is "
                              f"built for CPU parameters only")
-        kind = filesystem_type(directory)
-        if kind in _IN_MEMORY:
-            warnings.warn(f"offload_dir={directory!r} is on {kind}, whose files live in memory: the optimizer state "
-                          f"kept there frees no memory; give a directory on a disk", stacklevel=3)
         self.directory = directory
         self._made: dict[int, weakref.ref] = {}  # id -> the tensor, for holds() (== on tensors is elementwise)
 
