@@ -8,6 +8,7 @@ from hybrid.jax._finite import apply_if_finite
 from hybrid.jax._grad import local_grad
 from hybrid.jax._ready import gradient_ready_order
 from hybrid.jax.sharded._init import abstract_shards, init_shards
+from hybrid.jax.sharded._offload import OffloadedZero3
 from hybrid.jax.sharded._params import ParamShards, gather_params, gathered, shard_params, unshard_params
 from hybrid.jax._specs import key_path_name, specs
 from hybrid.jax._state_specs import state_specs
@@ -15,7 +16,7 @@ from hybrid.jax.sharded._xla_flags import MEMORY_FIRST_XLA_CPU_FLAGS, use_memory
 from hybrid.jax.sharded._zero import NON_ELEMENTWISE, ZeroState, zero
 
 __all__ = [
-    "MEMORY_FIRST_XLA_CPU_FLAGS", "NON_ELEMENTWISE", "BucketedAllReduceState", "ParamShards", "ZeroState",
+    "MEMORY_FIRST_XLA_CPU_FLAGS", "NON_ELEMENTWISE", "BucketedAllReduceState", "OffloadedZero3", "ParamShards", "ZeroState",
     "abstract_shards", "apply_if_finite", "auto_bucket_plan", "bucketed_all_reduce", "clip_by_global_norm", "gather_params", "gathered",
     "gradient_ready_order", "init_shards", "key_path_name", "local_grad", "measure_collectives", "shard_params", "specs",
     "state_specs", "unshard_params", "use_memory_first_xla_cpu", "zero",

@@ -166,16 +166,23 @@ def probe_difference(inner, axis_name) -> float:
     with jax.ensure_compile_time_eval(), on_shards(axis_name):
         whole = jax.vmap(run, in_axes=None, axis_size=1, axis_name=axis_name)(params, grads)
         split = jax.vmap(run, axis_size=2, axis_name=axis_name)(halves(params), halves(grads))
-    worst = 0.0
-    for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(split), strict=True):
-        a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-        if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
-            return float("inf")
-        a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-        scale = max(np.abs(a).max(initial=0), np.abs(b).max(initial=0))
-        if scale > 0:
-            worst = max(worst, float(np.abs(a - b).max() / scale))
-    return worst
+    return max((relative_difference(a, b) for a, b in zip(jax.tree_util.tree_leaves(whole),
+                                                          jax.tree_util.tree_leaves(split), strict=True)), default=0.0)
+
+
+def relative_difference(a, b) -> float:
+    """Largest difference of two arrays relative to their largest element; ``inf`` where their
+    shapes or NaNs differ.
+
+    >>> relative_difference(np.array([1.0, 2.0]), np.array([1.0, 2.5]))
+    0.2
+    """
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
+        return float("inf")
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    scale = max(np.abs(a).max(initial=0), np.abs(b).max(initial=0))
+    return float(np.abs(a - b).max() / scale) if scale > 0 else 0.0
 
 
 def check_exact_on_shards(inner, axis_name) -> None:
