@@ -53,6 +53,9 @@ STATE_PER_BUDGET = 3  # the model's training state, in budgets (issue 36.6)
 REFERENCE = "fsdp2"
 ROUND = (*VARIANTS, REFERENCE + "'")
 MODEL = {"width": 1024, "depth": 12}
+# The JAX runs, each in a process of its own (argv of hybrid.bench._zero3_budget_jax), and their labels.
+JAX_LABELS = {"default": "jax_zero3", "memory-first": "jax_zero3 memory-first",
+              "memory-first offload": "jax_offloaded_zero3 memory-first"}
 QUICK_MODEL = {"width": 256, "depth": 8}
 
 
@@ -212,19 +215,25 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
                          Ratio(REFERENCE + "'", REFERENCE, times[REFERENCE + "'"], times[REFERENCE]))
         jax_runs = (jax_rows or {}).get(world, {})
         for flags, j in jax_runs.items():
-            label = "jax_zero3" if flags == "default" else "jax_zero3 memory-first"
+            label = JAX_LABELS[flags]
             with_temp = j["held"] + j["step_temp"]
+            in_files = human_bytes(j["in_files"]) if j.get("in_files") else ""
             rows.append([world, f"{human_bytes(budget)}", f"{label} (held)", human_bytes(j["init_held"]), "", "",
                          human_bytes(j["held"]), f"{j['held'] / budget:.3f}", "",
-                         "yes" if j["held"] <= budget else "NO", ""])
+                         "yes" if j["held"] <= budget else "NO", in_files])
             rows.append([world, "", f"{label} (+ step temp)", human_bytes(j["init_held"] + j["init_temp"]), "", "",
                          human_bytes(with_temp), f"{with_temp / budget:.3f}", "",
-                         "yes" if with_temp <= budget else "NO", ""])
+                         "yes" if with_temp <= budget else "NO", in_files])
             step_rows.append([f"{world} devices (JAX, its own process)", label, round(j["step_s"] * 1e3, 1), ""])
-        if len(jax_runs) == 2:
+        if {"default", "memory-first"} <= jax_runs.keys():
             same = jax_runs["default"]["checksum"] == jax_runs["memory-first"]["checksum"]
             notes.append(f"{world} devices: JAX's trained parameters with and without the memory-first flags "
                          f"{'sum to the same float64 value' if same else 'DIFFER'}")
+        if {"memory-first", "memory-first offload"} <= jax_runs.keys():
+            a, b = jax_runs["memory-first"]["checksum"], jax_runs["memory-first offload"]["checksum"]
+            notes.append(f"{world} devices: offloaded and resident, the trained parameters' float64 sums differ by "
+                         f"{abs(a - b):.3g} ({abs(a - b) / abs(a):.2g} of the sum: each bucket's update is a program "
+                         f"of its own, which XLA:CPU rounds apart by an ulp in some elements)")
     lines += ["", "peak per rank (the fullest rank), allocator-counted, from before the meta build: through the build, "
               "the load, and 3 steps; 'read buffers': what the load held outside torch's allocator (numpy's read "
               "buffers, tracemalloc's peak), added to the load's peak in the window's", format_table(

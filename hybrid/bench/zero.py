@@ -252,10 +252,10 @@ def _budget(args, reps: int) -> None:
     for world in worlds:
         mp.spawn(budget.worker, args=(world, free_port(), outdir, model, 32, reps, 2), nprocs=world, join=True)
         results[world] = [torch.load(os.path.join(outdir, f"budget-world{world}-rank{r}.pt")) for r in range(world)]
-        for flags in ("default", "memory-first"):  # XLA:CPU's own, then use_memory_first_xla_cpu's
-            out = os.path.join(outdir, f"jax-{world}-{flags}.json")
+        for flags in budget.JAX_LABELS:  # XLA:CPU's own, use_memory_first_xla_cpu's, and with the state in files
+            out = os.path.join(outdir, f"jax-{world}-{flags.replace(' ', '-')}.json")
             subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(world), str(model["width"]),
-                            str(model["depth"]), "32", out, *([flags] if flags == "memory-first" else [])], check=True)
+                            str(model["depth"]), "32", out, *([] if flags == "default" else flags.split())], check=True)
             with open(out) as f:
                 jax_rows.setdefault(world, {})[flags] = json.load(f)
         for name in budget.VARIANTS:  # the checkpoints its loads read: the model's state, every world size
@@ -268,8 +268,12 @@ def _budget(args, reps: int) -> None:
           "(init_shards), after 3 steps; '+ step temp': with what XLA's compiled step says it needs beside them. "
           "The build column of '+ step temp' adds the init's temporaries (the most its programs need per device: "
           "each device computes 1/N of the initialisers, then the rows move into the buckets' slices a bucket at a "
-          "time). 'memory-first': the same program with hybrid.jax.use_memory_first_xla_cpu()'s XLA:CPU flags; its "
-          "step time and XLA's own are from two processes, one after the other (not interleaved: indicative only).")
+          "time). 'memory-first': the same program with hybrid.jax.use_memory_first_xla_cpu()'s XLA:CPU flags. "
+          "jax_offloaded_zero3: hybrid.jax.OffloadedZero3 under those flags, Adam's state in files ('in files'); it "
+          "holds its parameter slices between steps, and its '+ step temp' is a bound on the step's needs beside them "
+          "(the larger of the gradient program's temporaries and gradient slices, and the gradient slices with the "
+          "largest bucket update's state in, outputs and temporaries, no aliasing counted). The JAX step times are "
+          "from separate processes, one after the other (not interleaved: indicative only).")
 
 
 def _zero12(args, reps: int) -> None:

@@ -58,3 +58,19 @@ def test_memory_first_flags_refused_once_jax_has_started(monkeypatch):
         hj.use_memory_first_xla_cpu()
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"  # unchanged
     assert jax.devices()  # and JAX still works
+
+
+@pytest.mark.timeout(120)
+def test_offloaded_state_leaves_the_devices_their_slices(tmp_path):
+    # hybrid.jax.OffloadedZero3 on the same program under the flags (issue 36, item 6, the JAX side
+    # at 2 and 3 devices, where the state alone is 1.125 / 0.75 of the bench's budget): between
+    # steps a device holds its parameter slices alone, Adam's two moments are in files, and the
+    # step's bound (the gradient slices beside one bucket's update, or the gradient program) stays
+    # under what the resident step needs beside its parameters and state.
+    resident, offloaded = _run(tmp_path, "memory-first"), _run(tmp_path, "memory-first", "offload")
+    params = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
+    assert offloaded["held"] == offloaded["init_held"]  # its parameter slices, nothing of the moments
+    assert 0 <= resident["held"] - 3 * offloaded["held"] <= 64  # resident: slices, mu, nu (+ Adam's count)
+    assert offloaded["in_files"] >= 2 * params / DEVICES  # mu and nu of this device's slices
+    assert offloaded["held"] + offloaded["step_temp"] < resident["held"] + resident["step_temp"]
+    assert abs(offloaded["checksum"] - resident["checksum"]) <= 1e-5 * abs(resident["checksum"])
