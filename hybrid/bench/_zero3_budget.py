@@ -216,9 +216,12 @@ def report(results: dict, model: dict, jax_rows: dict | None = None) -> str:
         jax_runs = (jax_rows or {}).get(world, {})
         for flags, j in jax_runs.items():
             label = JAX_LABELS[flags]
-            with_temp = j["held"] + j["step_temp"]
+            # the step's bound, and where a load ran (offload), the load's held bytes and read buffers
+            load = j.get("load_held", 0) + j.get("read_buffers", 0)
+            with_temp = max(j["held"] + j["step_temp"], load)
             in_files = human_bytes(j["in_files"]) if j.get("in_files") else ""
-            rows.append([world, f"{human_bytes(budget)}", f"{label} (held)", human_bytes(j["init_held"]), "", "",
+            loaded = [human_bytes(j["load_held"]), human_bytes(j["read_buffers"])] if "load_held" in j else ["", ""]
+            rows.append([world, f"{human_bytes(budget)}", f"{label} (held)", human_bytes(j["init_held"]), *loaded,
                          human_bytes(j["held"]), f"{j['held'] / budget:.3f}", "",
                          "yes" if j["held"] <= budget else "NO", in_files])
             rows.append([world, "", f"{label} (+ step temp)", human_bytes(j["init_held"] + j["init_temp"]), "", "",

@@ -7,7 +7,10 @@ temporaries XLA's compiled init and step say they need (``memory_analysis``), pe
 
 ``memory-first``: with :func:`hybrid.jax.use_memory_first_xla_cpu`'s XLA:CPU flags. ``offload``:
 Adam's state in files (:class:`hybrid.jax.OffloadedZero3`, under a temporary directory beside
-OUT.json; ``in_files``: their bytes per device), the gradients from a jitted program of their own, then the update bucket by bucket;
+OUT.json; ``in_files``: their bytes per device), saved and loaded back before the steps
+(``hybrid.checkpoint.jax.load`` into the optimizer: a slot at a time into the files, then the
+parameters into a template of shapes; ``load_held`` and ``read_buffers``, numpy's per device),
+the gradients from a jitted program of their own, then the update bucket by bucket;
 its ``step_temp`` is the larger of the gradient program's needs (temporaries and the gradient
 slices it returns) and the gradient slices plus the largest bucket update's (its state in, new
 state and parameters out, temporaries), counted without the aliasing XLA may do: a bound. Run
@@ -18,11 +21,14 @@ also holds the median step time over 5 more steps and a checksum of the trained 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
+import tracemalloc
 
 
 def main(world: int, width: int, depth: int, batch: int, out: str, memory_first: bool = False,
@@ -67,8 +73,24 @@ def main(world: int, width: int, depth: int, batch: int, out: str, memory_first:
     shards = born(key)
     init_held = held(shards)
     x = jax.random.normal(jax.random.key(1), (batch * world, width))
+    loaded = {}
     if offload:
-        step, step_temp, in_files = _offloaded(hj, mesh, loss, shards, x, os.path.dirname(os.path.abspath(out)))
+        directory = os.path.dirname(os.path.abspath(out))
+        step, step_temp, in_files = _offloaded(hj, mesh, loss, shards, x, directory)
+        # Saved, dropped, and loaded straight into slices and files: a template of shapes, the
+        # state a slot at a time (numpy's read buffers counted by tracemalloc, per device).
+        from hybrid.checkpoint import jax as ckpt_jax
+
+        path = os.path.join(directory, f"jax-ckpt-{world}")
+        ckpt_jax.save(path, shards, step.opt.zero_state(), step=0, stage=3)
+        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), shards)
+        del shards
+        gc.collect()
+        tracemalloc.start()
+        shards, _, _ = ckpt_jax.load(path, template, step.opt)
+        loaded = {"load_held": held(shards), "read_buffers": tracemalloc.get_traced_memory()[1] // world}
+        tracemalloc.stop()
+        shutil.rmtree(path)
     else:
         step, step_temp, in_files = _resident(hj, mesh, loss, shards, x)
     for _ in range(3):
@@ -81,9 +103,11 @@ def main(world: int, width: int, depth: int, batch: int, out: str, memory_first:
         shards = jax.block_until_ready(step(shards, x))
         times.append(time.perf_counter() - t0)
     checksum = sum(float(np.asarray(b, np.float64).sum()) for b in shards.buckets)
+    if offload:
+        os.rmdir(step.opt.directory)  # empty: each file was unlinked as it was mapped
     with open(out, "w") as f:
         json.dump({"init_held": init_held, "init_temp": init_temp, "held": held_after, "step_temp": step_temp,
-                   "in_files": in_files(), "step_s": statistics.median(times), "checksum": checksum}, f)
+                   "in_files": in_files(), "step_s": statistics.median(times), "checksum": checksum, **loaded}, f)
 
 
 def _resident(hj, mesh, loss, shards, x):
@@ -143,7 +167,7 @@ def _offloaded(hj, mesh, loss, shards, x, directory):
     def step(s, x):
         return opt.step(s, grad(s, x))
 
-    step.state = lambda: ()
+    step.state, step.opt = (lambda: ()), opt
     return step, temp, lambda: opt.offloaded_bytes() // mesh.size  # the process's files, per device
 
 

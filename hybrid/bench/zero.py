@@ -269,10 +269,13 @@ def _budget(args, reps: int) -> None:
           "The build column of '+ step temp' adds the init's temporaries (the most its programs need per device: "
           "each device computes 1/N of the initialisers, then the rows move into the buckets' slices a bucket at a "
           "time). 'memory-first': the same program with hybrid.jax.use_memory_first_xla_cpu()'s XLA:CPU flags. "
-          "jax_offloaded_zero3: hybrid.jax.OffloadedZero3 under those flags, Adam's state in files ('in files'); it "
-          "holds its parameter slices between steps, and its '+ step temp' is a bound on the step's needs beside them "
-          "(the larger of the gradient program's temporaries and gradient slices, and the gradient slices with the "
-          "largest bucket update's state in, outputs and temporaries, no aliasing counted). The JAX step times are "
+          "jax_offloaded_zero3: hybrid.jax.OffloadedZero3 under those flags, Adam's state in files ('in files'), "
+          "saved and loaded back before its steps (hybrid.checkpoint.jax.load into the optimizer: a slot at a time "
+          "into the files, then the parameters into a template of shapes; '+ load' and numpy's 'read buffers' per "
+          "device); it holds its parameter slices between steps, and its '+ step temp' is a bound on the step's "
+          "needs beside them (the larger of the gradient program's temporaries and gradient slices, and the gradient "
+          "slices with the largest bucket update's state in, outputs and temporaries, no aliasing counted), or the "
+          "load's with its read buffers where that is larger. The JAX step times are "
           "from separate processes, one after the other (not interleaved: indicative only).")
 
 

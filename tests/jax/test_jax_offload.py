@@ -161,6 +161,27 @@ def test_checkpoints_move_between_offloaded_and_resident_stage3(tmp_path):
         resident, state = step(resident, state, *make_batch(i))
     assert_trees_close(hj.unshard_params(resident), want, rtol=RTOL, atol=ATOL, what="resident after the load")
 
+    # hybrid.checkpoint.jax.load(path, shards, opt) streams into the files, a slot at a time, at
+    # the saved device count and at another (resharded on the way).
+    for world in (2, 4):
+        m = mesh_of(world)
+        third = hj.OffloadedZero3(optax.adamw(1e-2, weight_decay=0.1, mask=DECAY), m, "dp", tmp_path)
+        template = cut(make_params(seed=5), m)
+        third.init(template)
+        streamed, same, at = ckpt_jax.load(tmp_path / "ckpt", template, third)
+        assert same is third and at == 3
+        g = _grad_program(m, streamed)
+        for i in range(at, 6):
+            streamed = third.step(streamed, g(streamed, *make_batch(i)))
+        got = hj.unshard_params(streamed)
+        if world == 2:  # the same programs on the same numbers as the run that saved
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), b)
+        else:
+            assert_trees_close(got, want, rtol=RTOL, atol=ATOL, what="streamed into 4 devices")
+    with pytest.raises(ValueError, match="through a mapping goes into an OffloadedZero3 in two steps"):
+        ckpt_jax.load(tmp_path / "ckpt", template, third, mapping=hj.specs)
+
     with pytest.raises(ValueError, match="differs from the shards'"):
         other = hj.OffloadedZero3(optax.adamw(1e-2, weight_decay=0.1, mask=DECAY), mesh, "dp", tmp_path)
         other.init(cut(make_params(), mesh, bucket_cap_bytes=1 << 20, first_bucket_cap_bytes=1 << 20))

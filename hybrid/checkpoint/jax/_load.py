@@ -11,19 +11,14 @@ import numpy as np
 import optax
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
-from hybrid.jax import ParamShards, ZeroState
+from hybrid.jax import OffloadedZero3, ParamShards, ZeroState
 from hybrid.jax._specs import _Layout, _leaves
 from hybrid.checkpoint._formats import open_checkpoint
 from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint.jax._mapped import TorchView
-from hybrid.checkpoint.jax._tree import _SLOTS, _caps, _check_zero, _layout, _map_nodes, _rank, _slot_node, _world_of
-
-
-def _as_dtype(value: np.ndarray, old) -> np.ndarray:
-    """``value`` (stored dtype: bfloat16 as its bits) in ``old``'s dtype."""
-    value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
-    return value.astype(old.dtype, copy=False)
+from hybrid.checkpoint.jax._offloaded import load_offloaded
+from hybrid.checkpoint.jax._tree import _SLOTS, _as_dtype, _caps, _check_zero, _layout, _map_nodes, _rank, _slot_node, _world_of
 
 
 def _like(value: np.ndarray, old):
@@ -86,6 +81,10 @@ def load(path, params, opt_state=None, *, order=None,
     caps = _caps(bucket_cap_bytes, first_bucket_cap_bytes, pairing, mapping)
     ckpt = open_checkpoint(path, format=format)
     if mapping is not None:
+        if isinstance(opt_state, OffloadedZero3):
+            raise ValueError("load: a checkpoint read through a mapping goes into an OffloadedZero3 in two steps: "
+                             "load(path, params, opt.zero_state(), mapping=...) (its state on the devices once), "
+                             "then opt.load_zero_state(state)")
         view = TorchView.of(mapping, params, opt_state, order=order, caps=caps, ready_order=ready_order,
                             checkpoint=ckpt, host=False)
         loaded_params, loaded_state, step = load(ckpt, view.params, view.state, order=view.order, **caps)
@@ -93,6 +92,13 @@ def load(path, params, opt_state=None, *, order=None,
     layout = _layout(params, order, caps, ready_order, pairing)
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()
+    if isinstance(opt_state, OffloadedZero3):
+        if not isinstance(params, ParamShards):
+            raise TypeError(f"load: an OffloadedZero3 steps ZeRO-3 shards: pass its ParamShards (or "
+                            f"hybrid.jax.abstract_shards) as params, got {type(params).__name__}")
+        load_offloaded(ckpt, layout, opt_state, _refuse_per_parameter_state)  # the state first, a slot at a time
+        new_params, _, step = load(ckpt, params, None, order=order, **caps)
+        return new_params, opt_state, step
     if isinstance(params, ParamShards):
         new_params = ParamShards(_flat_slices(ckpt, {"params": params.buckets}, params.layout.shards)["params"],
                                  params.layout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -16,6 +17,12 @@ from hybrid.checkpoint._manifest import CheckpointError
 
 _SLOTS = {optax.ScaleByAdamState: ("mu", "nu"), optax.TraceState: ("trace",)}
 _NODES = (ZeroState, optax.ScaleByScheduleState, *_SLOTS)
+
+
+def _as_dtype(value: np.ndarray, old) -> np.ndarray:
+    """``value`` (stored dtype: bfloat16 as its bits) in ``old``'s dtype."""
+    value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
+    return value.astype(old.dtype, copy=False)
 
 
 def _is_node(x) -> bool:

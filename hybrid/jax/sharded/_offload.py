@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -299,6 +300,21 @@ class OffloadedZero3:
             for j, x in zip(sources[b], self._files[b].read(meta.shardings, meta.shapes)):
                 leaves[j] = x
         return ZeroState(jax.tree.unflatten(treedef, leaves), shard_key(self._layout.shards))
+
+    def fill_leaf(self, j: int, part_of_device) -> None:
+        """Write leaf ``j`` of :meth:`zero_state`'s tree (``jax.tree.leaves(state.inner)[j]``)
+        straight into the files: ``part_of_device(device, index)`` gives the numpy part of it that
+        ``device`` holds (``index``: its slices of the global array). How a checkpoint load fills
+        the state one leaf at a time, without the whole state on the devices."""
+        _, _, sources = self._as_whole()
+        for b, mine in enumerate(sources):
+            for i, whole in enumerate(mine):
+                if whole != j:
+                    continue
+                meta, file = self._buckets[b], self._files[b]
+                for device, index in meta.shardings[i].addressable_devices_indices_map(meta.shapes[i]).items():
+                    view = file.view(i, device.id)
+                    view[...] = np.asarray(part_of_device(device, index)).reshape(view.shape)
 
     def load_zero_state(self, state: ZeroState) -> None:
         """Put ``state`` (a :class:`hybrid.jax.ZeroState` of ``zero(inner, axis, stage=3)`` for
