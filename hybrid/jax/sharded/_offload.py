@@ -225,14 +225,18 @@ class OffloadedZero3:
                              f"saw ({self._layout!r}): re-run init after changing the model, caps, order or mesh")
 
     def init(self, shards: ParamShards) -> None:
-        """Initialise the state for ``shards`` (global :class:`hybrid.jax.ParamShards`) into files,
-        one bucket at a time; any state from an earlier ``init`` is dropped."""
+        """Initialise the state for ``shards`` (global :class:`hybrid.jax.ParamShards`, or their
+        shapes from :func:`hybrid.jax.abstract_shards` before a checkpoint load) into files, one
+        bucket at a time; any state from an earlier ``init`` is dropped."""
         self._layout = None
         self._check(shards, "init")
         self._layout, self._programs, self._files = shards.layout, {}, []
         self._dtypes = [x.dtype for x in shards.buckets]
         self._buckets = [self._describe(b, p.dtype) for b, p in enumerate(shards.buckets)]
         for b, p in enumerate(shards.buckets):
+            if not isinstance(p, jax.Array):  # a shape: the init reads none of its values
+                p = jax.make_array_from_callback(p.shape, p.sharding, lambda index, p=p: np.zeros(
+                    len(range(*index[0].indices(p.shape[0]))), p.dtype))  # each device its slice alone
             leaves = self._program(b, "init")(p)
             self._files.append(BucketFile(self.directory, leaves, b))
             self._files[b].write(leaves)
