@@ -3,6 +3,7 @@ against zero(inner, stage=3) (the same gradients) and the unsharded inner transf
 
 import gc
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,6 +14,9 @@ from jax.sharding import PartitionSpec as P
 import hybrid.jax as hj
 from _jax_model import CAPS, assert_trees_close, loss, make_batch, make_params, reference
 from _zero3_run import cut, mesh_of, stage3_train
+from tests._procs import finish, start_jax_job
+
+HERE = Path(__file__).parent
 
 NUM_STEPS = 6
 # test_jax_zero3.py's tolerance (float32, a few ulps per step), against both references. Against
@@ -188,3 +192,12 @@ def test_checkpoints_move_between_offloaded_and_resident_stage3(tmp_path):
         other = hj.OffloadedZero3(optax.adamw(1e-2, weight_decay=0.1, mask=DECAY), mesh, "dp", tmp_path)
         other.init(cut(make_params(), mesh, bucket_cap_bytes=1 << 20, first_bucket_cap_bytes=1 << 20))
         other.load_zero_state(state)
+
+
+@pytest.mark.timeout(150)
+def test_offloaded_state_across_processes(tmp_path):
+    # 2 processes of 2 devices (jax.distributed, gloo): each keeps its devices' state in its own
+    # files, steps as zero(stage=3), saves, and loads a slot at a time (_jax_offload_worker.py).
+    outs = finish(start_jax_job(HERE / "_jax_offload_worker.py", 2, str(tmp_path)), "offloaded", timeout_s=120)
+    for i, out in enumerate(outs):
+        assert f"process {i}: ok" in out, out[-2000:]
