@@ -90,6 +90,38 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
+    def init_weights(self, module: nn.Module | None = None) -> None:
+        """GPT-2's initialisation, one module's own tensors at a time: what a build on the meta
+        device needs (``ZeRO3(meta_model, init_fn=meta_model.init_weights)``, as FSDP's
+        ``param_init_fn``), since ``__init__``'s initialisation never ran there. Without a module,
+        every module in ``modules()`` order (torchtitan's whole-model ``init_weights()``).
+
+        Normal(0, ``init_std``) for Linear and Embedding weights, ``init_std / sqrt(2 n_layer)``
+        for the residual projections (``c_proj``), zero biases, LayerNorm's ones and zeros. The
+        distribution of ``__init__``'s; not its values under one seed (there the constructors draw
+        first, and the residual projections are drawn again after every other module).
+
+        >>> torch.manual_seed(0) and None
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=64))
+        >>> model.to_empty(device="cpu").init_weights()
+        >>> mlp = model.h[0].mlp  # the residual projection at 1 / sqrt(2 n_layer) of the other's std
+        >>> round(float(mlp.c_proj.weight.detach().std() / mlp.c_fc.weight.detach().std()), 2)
+        0.5
+        """
+        if module is None:
+            for m in self.modules():
+                self.init_weights(m)
+            return
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = any(module is block.attn.c_proj or module is block.mlp.c_proj for block in self.h)
+            std = self.config.init_std / math.sqrt(2 * self.config.n_layer) if residual else self.config.init_std
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         T = idx.shape[1]
         if T > self.config.block_size:

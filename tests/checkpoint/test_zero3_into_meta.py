@@ -33,7 +33,7 @@ def _meta_zero3():
 
     with torch.device("meta"):
         model = TorchGPT(GPT)
-    zero3 = ZeRO3(model)  # torch's own init of each layer: replaced by the load
+    zero3 = ZeRO3(model, init_fn=model.init_weights)  # GPT-2's init, a module at a time: replaced by the load
     return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3)
 
 

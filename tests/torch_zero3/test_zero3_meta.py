@@ -8,7 +8,7 @@ build bit for bit, and the allocator-counted peak of the build within this rank'
 module."""
 
 import copy
-import math
+import warnings
 
 import pytest
 import torch
@@ -41,21 +41,6 @@ def assert_same_state(zero3: ZeRO3, ref: nn.Module) -> None:
         assert torch.equal(ours[f"module.{k}"], v), k
 
 
-def gpt_init(names: dict[int, str], config: GPTConfig):
-    """TorchGPT's own initialisation (its ``_init_weights`` and the scaled residual projections) as an
-    ``init_fn``, one module at a time."""
-    def init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            scaled = names[id(m)].endswith("c_proj")
-            std = config.init_std / math.sqrt(2 * config.n_layer) if scaled else config.init_std
-            nn.init.normal_(m.weight, mean=0.0, std=std)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            m.reset_parameters()
-    return init
-
-
 SMALL_GPT = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
@@ -71,21 +56,41 @@ def test_torch_layers_equal_a_cpu_build(world_of_one, cap):
 
 
 def test_init_fn_equals_the_same_calls_on_a_cpu_build(world_of_one):
-    """A GPT with a tied head: the tied weight ends with its last write, as the loop on the CPU."""
+    """A GPT with a tied head, initialised by its own init_weights one module at a time: the tied
+    weight ends with its last write, as the loop on the CPU."""
     torch.manual_seed(0)
     with torch.device("meta"):
         meta = TorchGPT(SMALL_GPT)
-    init = gpt_init({id(m): n for n, m in meta.named_modules()}, SMALL_GPT)
     torch.manual_seed(1)
-    model = ZeRO3(meta, init_fn=init, bucket_cap_mb=1e-3)
+    model = ZeRO3(meta, init_fn=meta.init_weights, bucket_cap_mb=1e-3)
     ref = TorchGPT(SMALL_GPT)
-    ref_init = gpt_init({id(m): n for n, m in ref.named_modules()}, SMALL_GPT)
     torch.manual_seed(1)
     for m in ref.modules():
         if m._parameters or m._buffers:
-            ref_init(m)
+            ref.init_weights(m)
     assert_same_state(model, ref)
     assert model.module.lm_head.weight is model.module.wte.weight
+    torch.manual_seed(1)
+    ref.init_weights()  # torchtitan's whole-model call: the same loop
+    assert_same_state(model, ref)
+
+
+def test_a_model_with_its_own_init_weights_is_warned_about_without_init_fn(world_of_one):
+    # Built on the meta device, TorchGPT's __init__ initialisation never ran: without init_fn each
+    # Linear gets torch's default (kaiming uniform, std 1/sqrt(3 fan_in)), not GPT-2's 0.02.
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=64)
+    with torch.device("meta"):
+        meta = TorchGPT(config)
+    with pytest.warns(UserWarning, match=r"ZeRO3: GPT defines init_weights\(\).*pass init_fn=model.init_weights"):
+        defaults = ZeRO3(meta)
+    with torch.device("meta"):
+        meta = TorchGPT(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gpt2 = ZeRO3(meta, init_fn=meta.init_weights)
+    fc = "module.h.0.mlp.c_fc.weight"
+    assert float(defaults.state_dict()[fc].std()) > 0.05  # torch's default for a fan-in of 64: 0.072
+    assert abs(float(gpt2.state_dict()[fc].std()) - config.init_std) < 0.002
 
 
 def test_buffers_computed_in_init_need_an_init_fn(world_of_one):

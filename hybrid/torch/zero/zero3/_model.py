@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -157,6 +158,12 @@ class ZeRO3(nn.Module):
         if not meta and (init_fn is not None or device is not None):
             raise ValueError("ZeRO3: init_fn= and device= are for a module built on the meta device (with "
                              "torch.device('meta'): ...); this one has its values already")
+        if meta and init_fn is None and callable(getattr(module, "init_weights", None)):
+            # The model's own initialisation never ran on the meta device; torch's layers' defaults will.
+            warnings.warn(f"ZeRO3: {type(module).__name__} defines init_weights(), but a module built on the meta "
+                          f"device is initialised by each module's reset_parameters() (torch's defaults) unless "
+                          f"ZeRO3 is given init_fn=: pass init_fn=model.init_weights if it takes one module, or a "
+                          f"function that initialises one module's own tensors", stacklevel=2)
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
