@@ -159,6 +159,7 @@ class OffloadedZero3:
         self._buckets: list[_BucketState] = []
         self._files: list[BucketFile] = []
         self._programs: dict = {}
+        self._whole = None  # zero(stage=3)'s state tree and where each bucket's leaves sit in it
 
     # -- per-bucket programs -------------------------------------------------------------------
     def _bucket_tx(self, b: int):
@@ -230,7 +231,7 @@ class OffloadedZero3:
         bucket at a time; any state from an earlier ``init`` is dropped."""
         self._layout = None
         self._check(shards, "init")
-        self._layout, self._programs, self._files = shards.layout, {}, []
+        self._layout, self._programs, self._files, self._whole = shards.layout, {}, [], None
         self._dtypes = [x.dtype for x in shards.buckets]
         self._buckets = [self._describe(b, p.dtype) for b, p in enumerate(shards.buckets)]
         for b, p in enumerate(shards.buckets):
@@ -269,6 +270,8 @@ class OffloadedZero3:
         The whole state is the inner state over the tuple of all bucket slices, a bucket's over the
         1-tuple of its slice: a leaf with a dimension ends in the bucket's index there and in 0
         here; a scalar (a step count, the same in every bucket) has the same path in both."""
+        if self._whole is not None:
+            return self._whole
         lay, n = self._layout, self._layout.shards.world_size
         tx = zero(self.inner, self.axis_name, stage=3, mean=self.mean, check_elementwise=False)
         one_device = ParamShards(tuple(jax.ShapeDtypeStruct((size,), d)
@@ -286,7 +289,8 @@ class OffloadedZero3:
                                               f"has no place in zero(inner, stage=3)'s state tree")
                 mine.append(index[whole])
             sources.append(mine)
-        return treedef, len(with_paths), sources
+        self._whole = treedef, len(with_paths), sources  # fixed until the next init
+        return self._whole
 
     def zero_state(self) -> ZeroState:
         """The state as ``zero(inner, axis, stage=3)`` keeps it: a :class:`hybrid.jax.ZeroState` of
