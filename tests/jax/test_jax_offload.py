@@ -114,6 +114,10 @@ def test_bad_directories_axes_and_plans_are_named(tmp_path):
     mesh = mesh_of(2)
     with pytest.raises(ValueError, match=f"offload_dir={str(tmp_path / 'missing')!r} is not a directory"):
         hj.OffloadedZero3(optax.adam(1e-2), mesh, "dp", tmp_path / "missing")
+    from hybrid.core._state_dir import filesystem_type
+    if filesystem_type("/dev/shm") == "tmpfs":  # files there live in memory: the user is told, by name
+        with pytest.warns(UserWarning, match=r"offload_dir='/dev/shm' is on tmpfs, whose files live in memory"):
+            hj.OffloadedZero3(optax.adam(1e-2), mesh, "dp", "/dev/shm")
     with pytest.raises(ValueError, match="axis_name='batch' is not an axis of the mesh"):
         hj.OffloadedZero3(optax.adam(1e-2), mesh, "batch", tmp_path)
     opt = hj.OffloadedZero3(optax.adam(1e-2), mesh, "dp", tmp_path)
