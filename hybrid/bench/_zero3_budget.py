@@ -14,7 +14,9 @@ reads the slices into numpy buffers beside the state it loads, over the budget a
 ranks nothing that keeps the state on the rank fits (``12 P / 2`` is 1.125 budgets): that takes
 offloading. With ``offload_dir=`` Adam's moments live in memory-mapped files (DeepSpeed's NVMe
 offload; the page cache may keep them in RAM, outside the budget as host memory is outside a
-GPU's), so a rank holds its ``4 P / N`` of parameter slices and one bucket's working set.
+GPU's), so a rank holds its ``4 P / N`` of parameter slices, its ``4 P / N`` of gradient slices
+until the step (0.75 budgets at 2 ranks) and one bucket's working set; stepping in the backward
+too, one bucket's gradient instead of its share.
 
 Each variant, on every rank, in its own allocator-counted window (``hybrid.bench._live``, and
 ``tracemalloc`` for the load's buffers outside torch's allocator): build
@@ -25,8 +27,10 @@ timed interleaved, FSDP2 twice per round for the A/A row.
 
 Variants: ``fsdp2``; ``hybrid_zero3`` (``ZeRO3(meta_model)``, the speed-first default);
 ``hybrid_zero3_memory`` (``policy="memory"``); ``hybrid_zero3_in_backward`` (the default plan with
-``ZeRO3Optimizer(step_in_backward=True)``); ``hybrid_zero3_offload`` (that, with Adam's moments in
-files under the run's directory). The report gives each variant's bytes in files beside its peak.
+``ZeRO3Optimizer(step_in_backward=True)``); ``hybrid_zero3_offload`` (the default plan with Adam's
+moments in files under the run's directory, ``offload_dir=``, stepped after the backward);
+``hybrid_zero3_offload_in_backward`` (both). The report gives each variant's bytes in files beside
+its peak.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table
 from hybrid.bench._zero3 import time_rounds, train_step
 
-VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory", "hybrid_zero3_in_backward", "hybrid_zero3_offload")
+VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory", "hybrid_zero3_in_backward", "hybrid_zero3_offload",
+            "hybrid_zero3_offload_in_backward")
 STATE_PER_BUDGET = 3  # the model's training state, in budgets (issue 36.6)
 REFERENCE = "fsdp2"
 ROUND = (*VARIANTS, REFERENCE + "'")
@@ -79,8 +84,8 @@ def _mlp(width: int, depth: int) -> nn.Module:
 
 
 def _build(name: str, width: int, depth: int, offload_dir: str):
-    """``(module, optimizer)`` of a variant, from a meta-device build (``offload_dir``: where
-    ``hybrid_zero3_offload`` keeps Adam's moments)."""
+    """``(module, optimizer)`` of a variant, from a meta-device build (``offload_dir``: where the
+    offload variants keep Adam's moments)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -101,9 +106,10 @@ def _build(name: str, width: int, depth: int, offload_dir: str):
                 m.reset_parameters()
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
     zero3 = ZeRO3(model, policy="memory" if name == "hybrid_zero3_memory" else "speed")
-    offload = name == "hybrid_zero3_offload"
+    offload = name.startswith("hybrid_zero3_offload")
+    in_backward = name.endswith("in_backward")
     return zero3, ZeRO3Optimizer(zero3, torch.optim.Adam, lr=1e-3, offload_dir=offload_dir if offload else None,
-                                 step_in_backward=offload or name == "hybrid_zero3_in_backward")
+                                 step_in_backward=in_backward)
 
 
 def _save(name: str, net, opt, path: str) -> None:
