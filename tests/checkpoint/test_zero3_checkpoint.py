@@ -18,7 +18,7 @@ import hybrid.jax as hj
 from hybrid.checkpoint import Checkpoint
 from hybrid.checkpoint import jax as ckpt_jax
 from tests.jax._jax_model import CAPS, make_batch, make_params, shard_map_train
-from tests.jax._zero3_run import cut, mesh_of, stage3_train
+from tests.jax.zero3._zero3_run import cut, mesh_of, stage3_train
 
 SAVE, STOP = 3, 6
 SAME = dict(rtol=1e-6, atol=2e-7)

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import hybrid.jax as hj
-from _jax_model import CAPS, assert_trees_close, loss, make_batch, make_params, reference
-from _zero3_run import cut, mesh_of, stage3_train
+from tests.jax._jax_model import CAPS, assert_trees_close, loss, make_batch, make_params, reference
+from tests.jax.zero3._zero3_run import cut, mesh_of, stage3_train
 from tests._procs import finish, start_jax_job
 
 HERE = Path(__file__).parent

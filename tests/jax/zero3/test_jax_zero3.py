@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import hybrid.jax as hj
 from hybrid.core import pack
-from _jax_model import CAPS, BATCH, assert_trees_close, loss, make_batch, make_params, reference
-from _zero3_run import cut, mesh_of, stage3_train
+from tests.jax._jax_model import CAPS, BATCH, assert_trees_close, loss, make_batch, make_params, reference
+from tests.jax.zero3._zero3_run import cut, mesh_of, stage3_train
 
 NUM_STEPS = 12
 # As tests/jax/test_jax_zero.py: float32, a mean of per-device means against one mean over the

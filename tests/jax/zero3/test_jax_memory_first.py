@@ -73,9 +73,10 @@ def test_offloaded_state_leaves_the_devices_their_slices(tmp_path):
     assert 0 <= resident["held"] - 3 * offloaded["held"] <= 64  # resident: slices, mu, nu (+ Adam's count)
     assert offloaded["in_files"] >= 2 * params / DEVICES  # mu and nu of this device's slices
     # Loaded back (hybrid.checkpoint.jax.load into the optimizer): the parameter slices, and numpy's
-    # read buffers of one slot of this device's slices at a time (the reader's own bookkeeping on
-    # top, measured 0.28 of a slot here), not the two that a load of the whole state reads at once.
+    # read buffers of one slot of this device's slices at a time, not the two that a load of the
+    # whole state reads at once. Beside them the checksum check reads each file in 1 MiB chunks, a
+    # file (a device's) per thread: up to 1 MiB per device (0.56 and 1.04 MiB measured).
     assert offloaded["load_held"] == offloaded["init_held"]
-    assert params / DEVICES <= offloaded["read_buffers"] < 1.5 * params / DEVICES, offloaded
+    assert params / DEVICES <= offloaded["read_buffers"] <= params / DEVICES + 1.25 * MiB, offloaded
     assert offloaded["held"] + offloaded["step_temp"] < resident["held"] + resident["step_temp"]
     assert abs(offloaded["checksum"] - resident["checksum"]) <= 1e-5 * abs(resident["checksum"])

@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import hybrid.jax as hj
-from _jax_model import CAPS, loss, make_batch, make_params
-from _zero3_run import cut, mesh_of, stage3_train
+from tests.jax._jax_model import CAPS, loss, make_batch, make_params
+from tests.jax.zero3._zero3_run import cut, mesh_of, stage3_train
 
 
 @pytest.fixture(scope="module")

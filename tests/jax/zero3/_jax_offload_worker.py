@@ -30,7 +30,7 @@ from hybrid.checkpoint import jax as checkpoint  # noqa: E402
 
 MESH = Mesh(np.array(jax.devices()), ("dp",))
 PLAN = dict(bucket_cap_bytes=1024)  # 3 buckets
-# float32, as tests/jax/test_jax_zero3.py: a program per bucket rounds some elements an ulp apart
+# float32, as tests/jax/zero3/test_jax_zero3.py: a program per bucket rounds some elements an ulp apart
 # from zero(stage=3)'s one program.
 RTOL, ATOL = 1e-6, 2e-7
 
