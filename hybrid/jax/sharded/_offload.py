@@ -294,8 +294,9 @@ class OffloadedZero3:
 
     def zero_state(self) -> ZeroState:
         """The state as ``zero(inner, axis, stage=3)`` keeps it: a :class:`hybrid.jax.ZeroState` of
-        global arrays, what ``hybrid.checkpoint.jax.save`` saves and its ``load`` takes as the
-        template to fill (then :meth:`load_zero_state`).
+        global arrays, what ``hybrid.checkpoint.jax.save`` saves. (To load, hand the optimizer
+        itself to ``hybrid.checkpoint.jax.load(path, shards, opt)``: it fills the files a slot at a
+        time; a resident state goes in through :meth:`load_zero_state`.)
 
         On XLA:CPU its arrays are the files' memory, nothing copied: the next :meth:`step`
         changes them, so save them before it. On an accelerator they are copies on the devices
