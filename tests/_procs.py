@@ -101,6 +101,21 @@ def start_jax_job(script, num_processes: int, *args: str) -> list:
             for i in range(num_processes)]
 
 
+def join_jax_job(local_devices: int):
+    """Make this process its part of a :func:`start_jax_job` job (``sys.argv``: ``SCRIPT PORT
+    NUM_PROCESSES PROCESS_ID ...``): ``local_devices`` host CPU devices, gloo collectives, then
+    ``jax.distributed.initialize``. Call first thing in the worker, before anything imports jax
+    (the device count is read when jax starts); returns the jax module."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[1]}", num_processes=int(sys.argv[2]),
+                               process_id=int(sys.argv[3]), initialization_timeout=60)
+    return jax
+
+
 def init_gloo(rank: int, port: int, *, world: int = 2, timeout_s: float = 30) -> None:
     """Make this process rank ``rank`` of a gloo group meeting on 127.0.0.1:``port``, with one
     torch thread (the ranks share the machine's cores)."""

@@ -8,14 +8,9 @@ slices its devices hold against ``shard_params`` of the jitted init, computed on
 import os
 import sys
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from tests._procs import join_jax_job  # before jax: it sets the device count jax starts with
 
-import jax  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[1]}", num_processes=int(sys.argv[2]),
-                           process_id=int(sys.argv[3]), initialization_timeout=60)
+jax = join_jax_job(2)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -17,14 +17,9 @@ import os
 import sys
 import time
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[4]}"
+from tests._procs import join_jax_job  # before jax: it sets the device count jax starts with
 
-import jax  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[1]}", num_processes=int(sys.argv[2]),
-                           process_id=int(sys.argv[3]), initialization_timeout=60)
+jax = join_jax_job(int(sys.argv[4]))
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -85,7 +85,10 @@ def test_the_devices_hold_no_state_between_steps(tmp_path):
     device = mesh.devices.flat[0]
     mine = lambda arrays: sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == device)
     gc.collect()
-    before = {id(a) for a in jax.live_arrays()}  # what other tests left alive too (they share the process)
+    # What other tests left alive too (they share the process), held so that no new array can
+    # take the id of one freed meanwhile.
+    alive = jax.live_arrays()
+    before = {id(a) for a in alive}
     opt = hj.OffloadedZero3(optax.adam(1e-2), mesh, "dp", tmp_path)
     opt.init(shards)
     for _ in range(2):
