@@ -4,6 +4,8 @@
   (``TorchGPT``, ``FlaxGPT``), and the mapping between the two (``GPT_MAPPING``).
 - The twin MLP: ``Linear -> tanh -> ... -> Linear`` written for each framework (``TorchMLP``,
   ``mlp_logits``), from the same numpy initial values (``init_params``) under torch's names.
+- A Llama-style decoder written the torchtitan way (``Llama``, ``LlamaConfig``): RMSNorm, a
+  complex64 RoPE buffer, SwiGLU, an untied head, a whole-model ``init_weights(buffer_device=None)``.
 - The built-in example models of ``python -m hybrid plan --model`` as TensorSpec lists
   (``EXAMPLES``: GPT-2 small in Hugging Face's naming, an MLP, a convnet, a mixed-dtype MLP).
 
@@ -29,6 +31,8 @@ _WHERE = {
     "cross_entropy": "hybrid.models._mlp_jax",
     "jax_params": "hybrid.models._mlp_jax",
     "EXAMPLES": "hybrid.models._examples",
+    "Llama": "hybrid.models._llama_torch",
+    "LlamaConfig": "hybrid.models._llama_torch",
 }
 
 
@@ -43,5 +47,5 @@ def __dir__():
     return sorted(__all__)
 
 
-__all__ = ["EXAMPLES", "FlaxGPT", "GPTConfig", "GPT_MAPPING", "TorchGPT", "TorchMLP", "cross_entropy", "flax_loss",
-           "hold_params", "init_params", "jax_params", "mlp_logits", "param_order", "param_specs", "torch_model"]
+__all__ = ["EXAMPLES", "FlaxGPT", "GPTConfig", "GPT_MAPPING", "Llama", "LlamaConfig", "TorchGPT", "TorchMLP",
+           "cross_entropy", "flax_loss", "hold_params", "init_params", "jax_params", "mlp_logits", "param_order", "param_specs", "torch_model"]
