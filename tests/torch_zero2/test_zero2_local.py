@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid.torch._flat
+import hybrid.torch.zero._clip
 import hybrid.torch.zero._zero2
 import hybrid.torch.zero._zero2_grads
 import hybrid.torch.zero._hooks
@@ -18,7 +19,7 @@ from tests._procs import free_port
 
 
 @pytest.mark.parametrize("module", [hybrid.torch._flat, hybrid.torch.zero._zero2, hybrid.torch.zero._zero2_grads,
-                                    hybrid.torch.zero._hooks])
+                                    hybrid.torch.zero._hooks, hybrid.torch.zero._clip])
 def test_module_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -15,6 +15,7 @@ import torch
 from hybrid.torch import ZeRO3, ZeRO3Optimizer
 from tests.torch_zero._cases import OPTIMIZERS, batch, make_model
 from tests.torch_zero2._cases import perturb_state
+from tests.torch_zero3._clip_cases import CLIP_CASES
 from tests.torch_zero3._pair import ATOL, LAYOUTS, RTOL, Pair, use_flat_collectives
 
 NUM_STEPS = 4
@@ -319,6 +320,7 @@ CASES.update({f"clip_norm[{p}-{layout}]": functools.partial(clip_norm, norm_type
               for p, layout in ((2.0, "default"), (2.0, "four_buckets_flat"), (1.0, "four_buckets"),
                                 (math.inf, "four_buckets"))})
 CASES["clip_value_and_torch_refused"] = clip_value_and_torch_refused
+CASES.update(CLIP_CASES)
 CASES.update({f"optimizer_state_dicts[{o}-{layout}{'-two_groups' if g else ''}]": functools.partial(
     optimizer_state_dicts, optim=o, layout=layout, groups=g)
     for o, layout, g in (("adam", "four_buckets", False), ("adamw", "default", False),

@@ -23,7 +23,8 @@ from torch.optim import Optimizer
 from hybrid.core import BucketPlan, FlatShardPlan, shard_flat
 from hybrid.torch.ddp._ddp import DistributedDataParallel, GradBucket
 from hybrid.torch._flat import params_into_flat
-from hybrid.torch.zero._zero2_grads import GradientInShards, clip_grad_norm_
+from hybrid.torch.zero._clip import clip_grad_norm_
+from hybrid.torch.zero._zero2_grads import GradientInShards
 from hybrid.torch.zero._zero2_state import ShardedState, _take
 from hybrid.torch._collectives import all_gather_into, reduce_scatter_into, wait_all
 from hybrid.torch._teardown import collect_cycles_at_exit
@@ -290,7 +291,8 @@ class ZeRO2(ShardedState, Optimizer, Joinable):
         """``torch.nn.utils.clip_grad_norm_`` over the gradient slices of every rank; a collective.
 
         The norm is that of the whole averaged gradient (one all-reduce of the ranks' partial
-        norms), returned on every rank as FSDP's ``clip_grad_norm_`` does; every slice is scaled by
+        norms, accumulated in float64: nearer the exact norm than torch's own float32 sum),
+        returned on every rank as FSDP's ``clip_grad_norm_`` does; every slice is scaled by
         ``min(max_norm / (norm + 1e-6), 1)``, as torch scales ``.grad``. Call it between
         ``backward()`` and ``step()`` on every rank; ``max_norm=float("inf")`` only measures.
         """

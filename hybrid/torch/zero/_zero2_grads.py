@@ -5,16 +5,12 @@ Once a bucket is reduce-scattered each rank keeps only its slice of the averaged
 of ``None`` (which torch's clip functions skip, returning ``tensor(0.)`` and clipping nothing),
 every ``param.grad`` holds a :class:`GradientInShards`: it has the parameter's shape, dtype and
 device, takes one element of memory, and any operation on it raises a ``TypeError`` that names
-the parameter and the ZeRO2 method to use. The clipping itself is exact on the slices: the
-padding of each slice is zero and adds nothing to a norm.
+the parameter and the ZeRO2 method to use. The clipping itself is in ``_clip``.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
 _ADVICE = ("Its gradient was reduce-scattered by hybrid.torch.ZeRO2 or ZeRO3: each rank holds only its slice, "
            "inside the optimizer (for ZeRO3: hybrid.torch.ZeRO3Optimizer, not a torch.optim optimizer over "
@@ -79,32 +75,3 @@ def _flat(args):
     for a in args:
         if isinstance(a, (list, tuple)):
             yield from a
-
-
-def clip_grad_norm_(slices: list[torch.Tensor], max_norm: float, norm_type: float, *, group,
-                    device: torch.device, error_if_nonfinite: bool) -> torch.Tensor:
-    """Clip every rank's gradient slices by the norm of the whole gradient; return that norm.
-
-    One all-reduce of the partial norms (sum of ``|g| ** p``, or the max for ``inf``), then each
-    slice is scaled by torch's ``clamp(max_norm / (total + 1e-6), max=1)``.
-    """
-    p = float(norm_type)
-    if not (p > 0 or p == math.inf):
-        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}")
-    norms = [torch.linalg.vector_norm(s, p) for s in slices]
-    if p == math.inf:
-        partial = torch.stack(norms).max() if norms else torch.zeros((), device=device)
-        dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
-        total = partial
-    else:
-        partial = torch.stack(norms).pow(p).sum() if norms else torch.zeros((), device=device)
-        dist.all_reduce(partial, group=group)
-        total = partial.pow(1.0 / p)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is non-finite, so it "
-                           "cannot be clipped. To disable this error and scale the gradients by the non-finite "
-                           "norm anyway, set `error_if_nonfinite=False`")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if slices:
-        torch._foreach_mul_(slices, coef)
-    return total

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from hybrid.torch.zero._clip import clip_grad_norm_
 from hybrid.torch.zero._parts import grads_on_masters, resolve_groups, run_closure
-from hybrid.torch.zero._zero2_grads import clip_grad_norm_
 from hybrid.torch.zero._zero2_state import ShardedState
 from hybrid.torch.zero.zero3._model import ZeRO3
 from hybrid.torch.zero.zero3._offload import StateFiles
@@ -137,9 +137,10 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over every rank's gradient slices (exact: the norm of
-        the whole averaged gradient, returned on every rank); a collective, between ``backward()``
-        and ``step()``. ``max_norm=float("inf")`` only measures."""
+        """``torch.nn.utils.clip_grad_norm_`` over every rank's gradient slices (the norm of the
+        whole averaged gradient, accumulated in float64: nearer the exact norm than torch's own,
+        returned on every rank); a collective, between ``backward()`` and ``step()``.
+        ``max_norm=float("inf")`` only measures."""
         self._refuse_in_backward("clip_grad_norm_")
         self.module._guard.enter("ZeRO3Optimizer.clip_grad_norm_()")
         slices = [g for g in self.module._grads.slices if g is not None]
