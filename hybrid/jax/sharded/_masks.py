@@ -97,7 +97,7 @@ class Binder:
     ``tree`` is what a callable mask is called with, as optax calls it: the params in ``init``,
     the updates in ``update``. The per-leaf values become per-element runs by the core's
     ``FlatShardPlan.group_runs`` (alignment gaps and padding take the previous member's value),
-    and each element of this device's slice (``rank`` may be traced) looks its run up.
+    and each element of this device's slice (``rank`` may be traced; None: the whole bucket) looks its run up.
     """
 
     def __init__(self, tree, layout, shards, rank):
@@ -123,7 +123,9 @@ class Binder:
             if size == 0:
                 out.append(jnp.zeros((0,), jnp.int32))
                 continue
-            index = self.rank * size + jnp.arange(size, dtype=jnp.int32)
+            # rank None: the whole padded bucket (zero(mesh=...) steps global buckets under jit)
+            index = (jnp.arange(size * self.shards.world_size, dtype=jnp.int32) if self.rank is None
+                     else self.rank * size + jnp.arange(size, dtype=jnp.int32))
             out.append(jnp.asarray(values)[jnp.searchsorted(jnp.asarray(starts), index, side="right") - 1])
         return tuple(out)
 

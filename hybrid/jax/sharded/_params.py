@@ -17,10 +17,12 @@ import functools
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hybrid.core import BucketPlan, FlatShardPlan, ParamPairing, bucket_pieces, forward_order, unpack
 from hybrid.jax._copy import check_backend, pack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps
+from hybrid.jax.sharded._global import check_mesh, gather_global, global_buckets, mesh_of
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -77,7 +79,7 @@ def local_slices(layout: _Layout, shards: FlatShardPlan, tree, rank, cuda: bool)
 
 def shard_params(params, axis_name, *, bucket_cap_bytes: int | None = None, first_bucket_cap_bytes: int | None = None,
                  order=None, pairing: ParamPairing | None = None, plan: BucketPlan | None = None,
-                 copy_backend: str | None = None) -> ParamShards:
+                 copy_backend: str | None = None, mesh=None) -> ParamShards:
     """This device's flat slice of every bucket of ``params`` (replicated), for ZeRO stage 3.
 
     Run where ``axis_name`` is bound (``jax.shard_map`` with ``in_specs=P()`` for the params and
@@ -87,7 +89,8 @@ def shard_params(params, axis_name, *, bucket_cap_bytes: int | None = None, firs
     ``bucket_cap_bytes`` (default :func:`hybrid.core.zero3_bucket_cap`, as ZeRO3's
     ``bucket_cap_mb=None``) and ``first_bucket_cap_bytes`` (default ``min(1 MiB, cap)``); or
     ``plan``, cut as it is. Each bucket is cut by ``shard_flat``: the layout of ZeRO-2's gradient
-    slices and of checkpoint files.
+    slices and of checkpoint files. With ``mesh`` (a plain ``jax.jit``, ``zero(..., mesh=mesh)``)
+    it returns the global ParamShards instead, each bucket sharded ``P(axis_name)`` over ``mesh``.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -101,10 +104,13 @@ def shard_params(params, axis_name, *, bucket_cap_bytes: int | None = None, firs
     check_backend(copy_backend)
     if not isinstance(axis_name, str):
         raise TypeError(f"shard_params: axis_name must be one mesh axis name (a str), got {axis_name!r}")
-    n = axis_size(axis_name, "shard_params")
+    n = axis_size(axis_name, "shard_params") if mesh is None else check_mesh(mesh, axis_name, "shard_params")
     layout = _Layout.zero3(params, what="shard_params", order=order, pairing=pairing, plan=plan,
                            bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes)
     shards = layout.shards(n)
+    if mesh is not None:  # the global buckets, each P(axis_name), for a plain jit
+        return ParamShards(global_buckets(layout, shards, params, NamedSharding(mesh, P(axis_name))),
+                           ShardLayout(layout, shards, axis_name))
     rank = jax.lax.axis_index(axis_name)
     return ParamShards(local_slices(layout, shards, params, rank, use_kernels(copy_backend)),
                        ShardLayout(layout, shards, axis_name))
@@ -136,7 +142,9 @@ def check_local(shards, what: str, axis_name=None) -> ParamShards:
 def gather_params(shards: ParamShards):
     """The full params tree from this device's slices: one all-gather per bucket, in forward order.
 
-    Call it inside the loss, inside ``shard_map`` (or ``pmap``). Its transpose, what ``jax.grad``
+    Call it inside the loss, inside ``shard_map`` (or ``pmap``), or under a plain ``jax.jit`` on the
+    global shards of ``shard_params(..., mesh=mesh)`` / ``init_shards`` (a ``P()`` constraint per
+    bucket, XLA's all-gather; ``hybrid.jax.sharded._global``). Its transpose, what ``jax.grad``
     runs in the backward, is one reduce-scatter per bucket: the gradient with respect to the
     shards is this device's slice of the bucket's gradient summed over the axis (ZeRO's gradient
     sharding; ``zero(..., stage=3)`` divides by the axis size for the mean). The gathers are issued
@@ -154,6 +162,10 @@ def gather_params(shards: ParamShards):
     >>> g.buckets[0].tolist()  # summed over 2 devices; the padding gets no gradient
     [2.0, 2.0, 2.0, 0.0]
     """
+    if isinstance(shards, ParamShards):
+        mesh = mesh_of(shards)
+        if mesh is not None:  # global shards under a plain jit, outside shard_map (zero(..., mesh=mesh))
+            return gather_global(shards, mesh)
     lay = check_local(shards, "gather_params").layout
     plan = lay.layout.plan
     per_spec = {}
@@ -176,7 +188,8 @@ def gather_params(shards: ParamShards):
 # Recomputed in the backward rather than saved: all-gathers, and data movement (whose recompute is
 # a copy), so that a gathered parameter is never kept for the backward under another shape or dtype.
 _REGATHERED = frozenset({"all_gather", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim",
-                         "convert_element_type", "slice", "dynamic_slice", "split", "concatenate", "copy", "copy_p"})
+                         "convert_element_type", "slice", "dynamic_slice", "split", "concatenate", "copy", "copy_p",
+                         "sharding_constraint"})  # the all-gather of global shards under a plain jit
 
 
 def regather_policy(prim, *args, **params) -> bool:

@@ -63,6 +63,16 @@ def shard_key(shards) -> str:
     return key
 
 
+def check_plan(state, shards, what: str = "zero.update") -> None:
+    """Raise unless ``state`` is a :class:`ZeroState` of the shard plan ``shards`` (the updates')."""
+    if not isinstance(state, ZeroState):
+        raise TypeError(f"{what}: state must be the ZeroState from zero.init, got {type(state).__name__}")
+    if shards.fingerprint() != state.plan_fingerprint:
+        raise ValueError(f"{what}: the updates' tree (names, shapes, dtypes) or the axis size "
+                         f"differs from the one zero.init saw (plan {shards.fingerprint()} vs "
+                         f"{state.plan_fingerprint}); re-run init after changing the model")
+
+
 def check_inner(inner: optax.GradientTransformation, axis_name, check_elementwise: bool) -> None:
     """Refuse an inner transform that is not exact on flat slices (see ``hybrid.jax._elementwise``)."""
     if not check_elementwise:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan, ParamPairing
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
@@ -16,7 +17,8 @@ from hybrid.jax.sharded._params import local_slices
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device
 from hybrid.jax.sharded._axis_aware import axis_aware
 from hybrid.jax.sharded._zero3 import zero3
-from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, shard_key
+from hybrid.jax.sharded._jit import zero_jit
+from hybrid.jax.sharded._slices import ZeroState, check_inner, check_plan, on_slices, shard_key
 
 __all__ = ["NON_ELEMENTWISE", "ZeroState", "zero"]
 _DEFAULTS = dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES,
@@ -28,7 +30,8 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
          first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_CAP_BYTES, mean: bool = True,
          order: Sequence[str] | None = None, check_elementwise: bool = True,
          copy_backend: str | None = None, ready_order: Sequence[str] | None = None,
-         pairing: ParamPairing | None = None, plan: BucketPlan | None = None) -> optax.GradientTransformation:
+         pairing: ParamPairing | None = None, plan: BucketPlan | None = None,
+         mesh: Mesh | None = None) -> optax.GradientTransformation:
     """Shard ``inner``'s optimizer state over ``axis_name`` (ZeRO stage 1 or 2), or with the
     parameters and gradients too (stage 3).
 
@@ -85,6 +88,10 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
       plan: a :class:`hybrid.core.BucketPlan` to cut as it is (:func:`hybrid.jax.auto_bucket_plan`
         with ``kind="reduce_scatter", after_step=[("all_gather", 1)]``), as for
         :func:`hybrid.jax.bucketed_all_reduce`.
+      mesh: run inside a plain ``jax.jit`` over this ``Mesh`` instead of ``shard_map``: gradients
+        are ``jax.grad`` of the loss over the global batch, the state (and at stage 3 the
+        ``ParamShards``) global arrays sharded ``P(axis_name)``; the same plan and state layout
+        (``hybrid.jax.sharded._jit``, docs/jax.md).
 
     >>> import jax, jax.numpy as jnp, numpy as np, optax
     >>> tx = zero(optax.sgd(0.1), "dp", stage=2)
@@ -98,6 +105,15 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if mesh is not None:  # the plain-jit path: XLA partitions global buckets (hybrid.jax.sharded._jit)
+        options = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes,
+                       order=order, copy_backend=copy_backend, ready_order=ready_order, pairing=pairing, plan=plan)
+        if stage == 3 and any(v != _DEFAULTS[k] for k, v in options.items()):
+            raise ValueError(f"zero(stage=3): {sorted(k for k, v in options.items() if v != _DEFAULTS[k])} would "
+                             f"have no effect: at stage 3 the bucket plan travels with the ParamShards; pass them "
+                             f"to hybrid.jax.shard_params(params, axis, mesh=mesh) or hybrid.jax.init_shards")
+        return zero_jit(inner, axis_name, mesh, stage=stage, mean=mean, check_elementwise=check_elementwise,
+                        plan_options=options)
     inner = axis_aware(inner, axis_name)  # optax.clip_by_global_norm in the chain: its axis-aware twin
     if stage == 3:
         given = {k: v for k, v in dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes,
@@ -136,10 +152,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         check_state_per_device(state, axis_name, "zero.update")
         layout = layout_of(updates, "zero.update")
         shards = layout.shards(n)
-        if shards.fingerprint() != state.plan_fingerprint:
-            raise ValueError(f"zero.update: the updates' tree (names, shapes, dtypes) or the axis size "
-                             f"differs from the one zero.init saw (plan {shards.fingerprint()} vs "
-                             f"{state.plan_fingerprint}); re-run init after changing the model")
+        check_plan(state, shards)
         rank = jax.lax.axis_index(axis_name)
         cuda = use_kernels(copy_backend)
         arrays = layout.spec_arrays(updates)

@@ -3,6 +3,7 @@ under a P() spec, with another plan than init's, or given to the stage-1/2 API."
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -23,9 +24,13 @@ def _gather_on(mesh, spec, shards):
 
 
 def test_gather_outside_shard_map(shards):
+    # Global shards on a mesh gather outside shard_map (the plain-jit path, zero(..., mesh=mesh));
+    # shards on no mesh (host arrays) say where gather_params runs.
+    for a, b in zip(jax.tree.leaves(hj.gather_params(shards)), jax.tree.leaves(hj.unshard_params(shards))):
+        assert (a == b).all()
     with pytest.raises(ValueError, match=r"gather_params: axis name 'dp' is not bound; no axis is bound here; "
                                          r"call it inside jax.shard_map"):
-        hj.gather_params(shards)
+        hj.gather_params(jax.tree.map(np.asarray, shards))
 
 
 def test_gather_on_a_mesh_axis_of_another_name(shards):

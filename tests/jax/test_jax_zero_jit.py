@@ -1,0 +1,237 @@
+"""zero(inner, axis, stage=k, mesh=mesh) inside a plain jax.jit: no shard_map, plain jax.grad of the
+loss over the globally sharded batch, against the unsharded inner transform; the plan (and state
+fingerprint) of the shard_map path and of torch; 1/N per device; the collectives in the compiled HLO.
+
+Tolerance: float32, same framework; the jitted step's gradient is XLA's partitioned sum over the
+devices' rows where the reference sums the batch in one program (the order of the sums differs),
+the tolerance of tests/jax/test_jax_zero.py (rtol 1e-6, atol 2e-7, see its note) over 20 steps.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import hybrid.jax as hj
+from hybrid.core import plan_buckets, shard_flat, zero3_plan
+from tests.jax._jax_model import CAPS, assert_trees_close, loss, make_batch, make_params, reference, shard_map_train
+
+NUM_STEPS = 20
+RTOL, ATOL = 1e-6, 2e-7
+AXIS = "data"
+decay = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # weight decay on matrices only
+
+INNER = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    # optax's own clip, a small max_norm so it triggers every step: inside zero it sees whole buckets
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2, weight_decay=0.1)),
+    "adamw_masked": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay),
+}
+
+
+def _mesh(world_size):
+    return Mesh(np.array(jax.devices()[:world_size]), (AXIS,))
+
+
+@functools.cache
+def reference_history(name):
+    return reference(INNER[name](), make_params(), NUM_STEPS)
+
+
+def _train_step(tx, loss_fn):
+    def step(params, state, x, y):
+        g = jax.grad(loss_fn)(params, x, y)       # plain jax.grad over the global batch
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+    return jax.jit(step)  # not donated: the tests keep every step's parameters
+
+
+def _start(stage, world_size, name="adamw", params=None):
+    """``(tx, params or ParamShards, state, step, mesh)`` as a user writes the plain-jit loop."""
+    mesh = _mesh(world_size)
+    params = make_params() if params is None else params
+    if stage == 3:
+        tx = hj.zero(INNER[name](), AXIS, stage=3, mesh=mesh)
+        params = hj.shard_params(params, AXIS, mesh=mesh, **CAPS)
+        loss_fn = hj.gathered(loss)
+    else:
+        tx = hj.zero(INNER[name](), AXIS, stage=stage, mesh=mesh, **CAPS)
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        loss_fn = loss
+    return tx, params, jax.jit(tx.init)(params), _train_step(tx, loss_fn), mesh
+
+
+def _batch(i, mesh):
+    return jax.device_put(make_batch(i), NamedSharding(mesh, P(AXIS)))
+
+
+@functools.cache
+def run_jit(name, stage, world_size):
+    tx, params, state, step, mesh = _start(stage, world_size, name)
+    history = []
+    for i in range(NUM_STEPS):
+        params, state = step(params, state, *_batch(i, mesh))
+        history.append(hj.unshard_params(params) if stage == 3 else params)
+    return history, params, state
+
+
+CASES = ([(name, stage, 4) for name in INNER for stage in (1, 2, 3)]
+         + [("clip_adamw", 2, 3), ("adamw_masked", 3, 3)])  # 3 devices: padding in every bucket
+
+
+@pytest.mark.parametrize("name,stage,world_size", CASES)
+def test_jit_zero_equals_unsharded(name, stage, world_size):
+    history, _, _ = run_jit(name, stage, world_size)
+    for i, (got, want) in enumerate(zip(history, reference_history(name))):
+        assert_trees_close(got, want, rtol=RTOL, atol=ATOL, what=f"stage {stage}, step {i}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_and_stage3_params_are_one_nth_per_device(stage):
+    """Every bucket-long state array (and stage 3's parameter buckets) holds padded / N elements on
+    each device: its addressable shards, not a claim about its sharding."""
+    _, params, state = run_jit("adamw", stage, 4)
+    arrays = [x for x in jax.tree.leaves(state) if x.ndim]
+    if stage == 3:
+        arrays += list(params.buckets)
+    shards = shard_flat(zero3_plan(hj.specs(make_params()), **CAPS) if stage == 3
+                        else plan_buckets(hj.specs(make_params()), **CAPS), 4)
+    padded = {shards.padded_length(b) for b in range(shards.bucket_plan.num_buckets)}
+    assert len(arrays) >= 2 * len(padded)  # adam's mu and nu per bucket
+    for x in arrays:
+        assert x.shape[0] in padded
+        sizes = sorted((s.device.id, s.data.shape) for s in x.addressable_shards)
+        assert [shape for _, shape in sizes] == [(x.shape[0] // 4,)] * 4, sizes
+    if stage != 3:  # the parameters stay whole (replicated), as ZeRO-1/2's do
+        assert all(s.data.shape == x.shape for x in jax.tree.leaves(params) for s in x.addressable_shards)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_same_plan_and_state_as_the_shard_map_path(stage):
+    """The state's fingerprint and arrays are the shard_map path's: what checkpoints store."""
+    _, _, jit_state = run_jit("adamw", stage, 4)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
+    params = make_params()
+    if stage == 3:
+        shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, "dp", **CAPS), mesh=mesh,
+                                       in_specs=P(), out_specs=P("dp")))(params)
+        tx = hj.zero(INNER["adamw"](), "dp", stage=3)
+        specs = hj.state_specs(tx, shards, "dp", axis_size=4)
+        loss_of = hj.gathered(loss)
+
+        def step(s, state, x, y):
+            u, state = tx.update(jax.grad(loss_of)(s, x, y), state, s)
+            return optax.apply_updates(s, u), state
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))(shards)
+        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp"), P("dp")),
+                                     out_specs=(P("dp"), specs)))
+        p = shards
+    else:
+        tx = hj.zero(INNER["adamw"](), "dp", stage=stage, **CAPS)
+        init, step = shard_map_train(tx, mesh, params)
+        p, state = params, init(params)
+    for i in range(NUM_STEPS):
+        p, state = step(p, state, *make_batch(i))
+    assert jit_state.plan_fingerprint == state.plan_fingerprint
+    assert jax.tree.structure(jit_state) == jax.tree.structure(state)
+    assert_trees_close(jit_state, state, rtol=RTOL, atol=ATOL, what="state")
+
+
+def test_plan_is_torchs_for_a_paired_model():
+    """With torch's registration order, the jit path's plans are torch DDP's (stages 1-2) and torch
+    ZeRO3's (stage 3), by fingerprint (hybrid.core plans over torch's own specs)."""
+    torch = pytest.importorskip("torch")
+    import hybrid.torch
+    module = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    params = {str(i): {"weight": jnp.asarray(m.weight.detach().numpy()), "bias": jnp.asarray(m.bias.detach().numpy())}
+              for i, m in enumerate(module)}
+    order = [name for name, _ in module.named_parameters()]
+    torch_specs = hybrid.torch.specs(module)
+    mesh = _mesh(4)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state = jax.jit(hj.zero(optax.adam(1e-3), AXIS, stage=2, mesh=mesh, order=order, **CAPS).init)(params)
+    assert state.plan_fingerprint == shard_flat(plan_buckets(torch_specs, **CAPS), 4).fingerprint()
+    shards = hj.shard_params(params, AXIS, mesh=mesh, order=order, **CAPS)
+    assert shards.layout.shards.fingerprint() == shard_flat(zero3_plan(torch_specs, **CAPS), 4).fingerprint()
+    state3 = jax.jit(hj.zero(optax.adam(1e-3), AXIS, stage=3, mesh=mesh).init)(shards)
+    assert state3.plan_fingerprint == shards.layout.shards.fingerprint()
+
+
+def _collectives(text):
+    """``{kind: [elements of each operand]}`` of the compiled module's collectives."""
+    out = {}
+    for line in text.splitlines():
+        m = re.search(r"= (\(?[^=]*?\)?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+                      r"(?:-start)?\(", line)
+        if m:
+            shapes = re.findall(r"[a-z0-9]+\[([0-9,]*)\]", m.group(1))
+            out.setdefault(m.group(2), []).append([int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes])
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_compiled_step_collectives(stage):
+    """What XLA:CPU emits for the plain-jit step, counted in the compiled HLO: one all-gather per
+    bucket of the updates (stages 1-2; at stage 3 of the parameters, in the forward, and again in
+    the backward for the buckets it reads), the gradient reduced once (every gradient element in
+    one reduction), nothing else (no all-to-all or collective-permute resharding).
+
+    The reduction is an all-reduce: XLA:CPU reduces a dot's partial sums where the dot is, and has
+    no pass turning an all-reduce and a slice into a reduce-scatter (GSPMD's own ZeRO-1 and FSDP
+    steps reduce the same way there; `python -m hybrid bench jax --part jit` prints theirs).
+    """
+    tx, params, state, step, mesh = _start(stage, 4)
+    text = step.lower(params, state, *_batch(0, mesh)).compile().as_text()
+    found = _collectives(text)
+    assert set(found) <= {"all-reduce", "reduce-scatter", "all-gather"}, found
+    num_params = sum(x.size for x in jax.tree.leaves(make_params()))
+    reduced = sum(sum(ops) for ops in found.get("all-reduce", [])) + sum(
+        sum(ops) for ops in found.get("reduce-scatter", []))
+    layout = params.layout.shards if stage == 3 else shard_flat(plan_buckets(hj.specs(make_params()), **CAPS), 4)
+    padded = sum(layout.padded_length(b) for b in range(layout.bucket_plan.num_buckets))
+    assert num_params <= reduced <= padded, (reduced, num_params, padded)
+    gathers = [ops[0] for ops in found.get("all-gather", [])]
+    lengths = sorted(layout.padded_length(b) for b in range(layout.bucket_plan.num_buckets))
+    if stage == 3:
+        assert set(gathers) <= set(lengths) and set(lengths) <= set(gathers), (gathers, lengths)
+        assert len(gathers) <= 2 * len(lengths)
+    else:
+        assert sorted(gathers) == lengths, (gathers, lengths)
+
+
+def test_init_outside_jit_and_eager_update_agree_with_jitted():
+    """``tx.init`` called eagerly gives the sharded state jit gives."""
+    tx, params, jitted_state, _, mesh = _start(2, 4)
+    eager = tx.init(params)
+    assert jax.tree.structure(eager) == jax.tree.structure(jitted_state)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if a.ndim:
+            assert {s.data.shape for s in a.addressable_shards} == {(a.shape[0] // 4,)}
+
+
+def test_errors_name_the_fix():
+    mesh = _mesh(4)
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        hj.zero(optax.adam(1e-3), "dp", mesh=mesh)
+    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+        hj.zero(optax.adam(1e-3), AXIS, mesh="data")
+    with pytest.raises(ValueError, match="mean=False"):
+        hj.zero(optax.adam(1e-3), AXIS, mesh=mesh, mean=False)
+    with pytest.raises(ValueError, match="shard_params"):
+        hj.zero(optax.adam(1e-3), AXIS, stage=3, mesh=mesh, bucket_cap_bytes=64)
+    with pytest.raises(ValueError, match="trust ratio"):
+        hj.zero(optax.lamb(1e-3), AXIS, mesh=mesh)
+    with pytest.raises(TypeError, match="ParamShards"):
+        hj.zero(optax.adam(1e-3), AXIS, stage=3, mesh=mesh).init(make_params())
+    tx = hj.zero(optax.adam(1e-3), AXIS, stage=2, mesh=mesh)
+    state = tx.init(make_params())
+    other = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match="re-run init"):
+        tx.update(other, state, other)
