@@ -8,6 +8,7 @@ Names are the pytree key path joined with "." (dict keys, attribute names, seque
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -41,9 +42,34 @@ def key_path_name(path) -> str:
     return ".".join(_entry_name(e) for e in path) or "_"
 
 
+def _nnx_variable():
+    """flax NNX's ``Variable`` class where flax is already imported (hybrid never imports flax)."""
+    nnx = sys.modules.get("flax.nnx")
+    return getattr(nnx, "Variable", None)
+
+
+def _variable_paths(tree) -> frozenset:
+    """Key paths of the flax NNX ``Variable``s (``nnx.Param`` ...) in ``tree``: an ``nnx.State``
+    from ``nnx.split(model, nnx.Param)`` keeps each array under its variable's ``.value``."""
+    variable = _nnx_variable()
+    if variable is None:
+        return frozenset()
+    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, variable))[0]
+    return frozenset(p for p, x in pairs if isinstance(x, variable))
+
+
 def _leaves(tree):
+    """``(names, leaves, treedef)``: each leaf named by its key path, an NNX variable's array by
+    the variable's path (``h.0.attn.kernel``, not ``h.0.attn.kernel.value``), as
+    ``nnx.to_pure_dict`` names it and as a linen tree and torch name the same tensor."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [key_path_name(p) for p, _ in pairs], [x for _, x in pairs], treedef
+    variables = _variable_paths(tree)
+    names = [key_path_name(p[:-1] if variables and p[:-1] in variables and p[-1] == _VALUE else p)
+             for p, _ in pairs]
+    return names, [x for _, x in pairs], treedef
+
+
+_VALUE = jax.tree_util.GetAttrKey("value")
 
 
 def _order(names: list[str], order: Sequence[str] | None) -> list[int]:
@@ -68,8 +94,12 @@ def specs(params, *, order: Sequence[str] | None = None, device: str = "cpu") ->
     the tree's names) to follow a registration order, so both sides get the same plan and
     fingerprint.
 
+    A flax NNX ``nnx.State`` (``nnx.split(model, nnx.Param)``) keeps each array under its
+    variable's ``.value``: the spec is named by the variable (``h.0.attn.c_attn.kernel``), as
+    ``nnx.to_pure_dict`` names it, so NNX, linen and torch names cross through one mapping.
+
     Args:
-      params: a pytree of arrays (dict, list, flax/equinox module...).
+      params: a pytree of arrays (dict, list, flax/equinox module, flax NNX state...).
       order: leaf names in the registration order to follow; default the pytree's leaf order.
       device: the device string written into every spec (torch's side uses ``"cuda:0"`` etc.).
 
@@ -282,7 +312,10 @@ def check_per_device(tree, axis_name, what: str) -> None:
             f"replicated (P()) parameters inside shard_map, which sums the gradient over the axis: take "
             f"per-device gradients with hybrid.jax.local_grad(loss, {axis_name!r}) instead of jax.grad; or "
             f"it was reduced on purpose (lax.pmean / lax.psum, or bucketed_all_reduce before zero): drop "
-            f"that reduction, {reducer} does it once")
+            f"that reduction, {reducer} does it once; or it is state that entered shard_map replicated: "
+            f"optax.MultiSteps around {reducer} accumulates this device's own gradients, so its "
+            f"acc_grads need P({axis_name!r}) specs, which hybrid.jax.state_specs(tx, params, "
+            f"{axis_name!r}, axis_size=...) gives")
 
 
 def check_state_per_device(state, axis_name, what: str) -> None:

@@ -1,7 +1,8 @@
 """The models hybrid trains in both frameworks, in one place. See docs/models.md.
 
 - The GPT pair: a GPT-2-style decoder written twice, as torch users and as flax users write it
-  (``TorchGPT``, ``FlaxGPT``), and the mapping between the two (``GPT_MAPPING``).
+  (``TorchGPT``, ``FlaxGPT``), and the mapping between the two (``GPT_MAPPING``); ``NNXGPT``, the
+  same decoder in flax NNX's idiom, under the same mapping.
 - The twin MLP: ``Linear -> tanh -> ... -> Linear`` written for each framework (``TorchMLP``,
   ``mlp_logits``), from the same numpy initial values (``init_params``) under torch's names.
 - A Llama-style decoder written the torchtitan way (``Llama``, ``LlamaConfig``): RMSNorm, a
@@ -21,6 +22,8 @@ _WHERE = {
     "TorchGPT": ("hybrid.models._gpt_torch", "GPT"),
     "FlaxGPT": ("hybrid.models._gpt_flax", "GPT"),
     "flax_loss": ("hybrid.models._gpt_flax", "loss_fn"),
+    "NNXGPT": ("hybrid.models._gpt_nnx", "GPT"),
+    "nnx_loss": ("hybrid.models._gpt_nnx", "loss_fn"),
     "init_params": "hybrid.models._mlp",
     "param_order": "hybrid.models._mlp",
     "param_specs": "hybrid.models._mlp",
@@ -47,5 +50,5 @@ def __dir__():
     return sorted(__all__)
 
 
-__all__ = ["EXAMPLES", "FlaxGPT", "GPTConfig", "GPT_MAPPING", "Llama", "LlamaConfig", "TorchGPT", "TorchMLP",
-           "cross_entropy", "flax_loss", "hold_params", "init_params", "jax_params", "mlp_logits", "param_order", "param_specs", "torch_model"]
+__all__ = ["EXAMPLES", "FlaxGPT", "GPTConfig", "GPT_MAPPING", "Llama", "LlamaConfig", "NNXGPT", "TorchGPT", "TorchMLP",
+           "cross_entropy", "flax_loss", "hold_params", "init_params", "jax_params", "mlp_logits", "nnx_loss", "param_order", "param_specs", "torch_model"]

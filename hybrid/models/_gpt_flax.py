@@ -86,13 +86,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(epsilon=c.layer_norm_eps)
 
     def __call__(self, idx):
-        T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"a sequence of {T} tokens is longer than block_size={self.config.block_size}")
-        x = self.wte(idx) + self.wpe(jnp.arange(T))
-        for block in self.h:
-            x = block(x)
-        return self.wte.attend(self.ln_f(x))  # the LM head tied to the token embedding
+        return decode(self, idx)
+
+
+def decode(model, idx):
+    """The decoder's forward over ``model``'s ``wte``, ``wpe``, blocks ``h`` and ``ln_f``: the same
+    code for the linen model and its NNX twin, whose modules are called alike."""
+    T = idx.shape[1]
+    if T > model.config.block_size:
+        raise ValueError(f"a sequence of {T} tokens is longer than block_size={model.config.block_size}")
+    x = model.wte(idx) + model.wpe(jnp.arange(T))
+    for block in model.h:
+        x = block(x)
+    return model.wte.attend(model.ln_f(x))  # the LM head tied to the token embedding
 
 
 def loss_fn(model: GPT, params, idx, targets):

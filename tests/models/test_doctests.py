@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["hybrid.models._config", "hybrid.models._gpt_torch", "hybrid.models._gpt_flax", "hybrid.models._mlp",
+MODULES = ["hybrid.models._config", "hybrid.models._gpt_torch", "hybrid.models._gpt_flax", "hybrid.models._gpt_nnx", "hybrid.models._mlp",
            "hybrid.models._mlp_torch", "hybrid.models._mlp_jax", "hybrid.models._llama_torch", "hybrid.parity._bridge"]
 
 

@@ -227,6 +227,10 @@ class ParamMapping:
                                    f"add a rule for this module")
             return Pair(name, found[0], rule.layout, shape, torch_shape, rule.label(), rule.grads_together)
         near = f" ({nearest(_torchish(name), list(torch))})" if torch else ""
+        if name.endswith(".value"):  # flax NNX keeps a variable's array under .value
+            raise MappingError(f"jax tensor {name!r} of shape {shape} matches no rule{near}: a flax NNX "
+                               f"variable's array is named by its variable, {name[:-len('.value')]!r} (as "
+                               f"hybrid.jax.specs and nnx.to_pure_dict name it); drop the '.value'")
         raise MappingError(f"jax tensor {name!r} of shape {shape} matches no rule{near}: add a Rule for its module")
 
     def pair(self, jax, torch=None) -> ParamPairing:

@@ -1,0 +1,226 @@
+"""flax NNX state where a params tree goes: ``zero`` at stages 1-3 (``nnx.Optimizer`` under
+``nnx.jit`` + ``nnx.shard_map``, and the functional ``nnx.split`` / ``nnx.merge`` step under
+``jax.jit``), ``shard_params`` / ``init_shards``, the mapping to the torch twin and checkpoints
+that cross to ``TorchGPT`` and the linen ``FlaxGPT``.
+
+The model is :class:`hybrid.models.NNXGPT` (embeddings, LayerNorm, attention, MLP, written in the
+NNX idiom); the oracle the unsharded ``nnx.Optimizer`` with the same optax transform.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import hybrid.jax as hj
+from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig, NNXGPT, nnx_loss
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+STEPS, AXIS = 3, "dp"
+# float32, same framework: the data-parallel gradient is a mean of 4 per-device means where the
+# reference takes one mean over the batch (sums in another order); measured worst 1.2e-6 off
+# after 3 AdamW steps on parameters of order 1 (Adam divides small gradients by their own scale).
+RTOL, ATOL = 1.3e-6, 5e-6
+MESH = Mesh(np.array(jax.devices()[:4]), (AXIS,))
+
+
+def _model():
+    return NNXGPT(CONFIG, rngs=nnx.Rngs(0))
+
+
+def _tx():
+    decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # AdamW as users write it: no decay on biases and norms
+    # eps 1e-4, not 1e-8: the key part of c_attn's bias has gradient 0 in exact arithmetic (softmax
+    # is shift-invariant), and Adam at eps 1e-8 turns its rounding noise (~1e-9, another sign in
+    # another summation order) into steps of +-lr, comparing noise with noise
+    return optax.adamw(1e-2, eps=1e-4, weight_decay=0.1, mask=decay)
+
+
+def _batch(step):
+    r = np.random.default_rng(step)
+    idx = r.integers(0, CONFIG.vocab_size, (8, CONFIG.block_size))
+    return jnp.asarray(idx, jnp.int32), jnp.asarray(np.roll(idx, -1, axis=1), jnp.int32)
+
+
+def _params(model) -> dict:
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _close(got: dict, want: dict):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+
+
+@functools.cache
+def _reference():
+    """The unsharded run: nnx.Optimizer with the plain optax transform, nnx.jit."""
+    model = _model()
+    optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, idx, tgt):
+        optimizer.update(model, nnx.grad(nnx_loss)(model, idx, tgt))
+
+    for i in range(STEPS):
+        step(model, optimizer, *_batch(i))
+    return _params(model)
+
+
+def test_nnx_state_is_named_by_its_variables():
+    """No ".value" in a name; the same torch names through GPT_MAPPING as linen's tree."""
+    _, state = nnx.split(_model(), nnx.Param)
+    names = [s.name for s in hj.specs(state)]
+    assert "h.0.attn.c_attn.kernel" in names and not [n for n in names if n.endswith("value")]
+    pure = nnx.to_pure_dict(state)
+    assert names == [s.name for s in hj.specs(pure)]
+    linen = jax.eval_shape(FlaxGPT(CONFIG).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    nnx_pairs = GPT_MAPPING.pair({s.name: s.shape for s in hj.specs(state)})
+    linen_pairs = GPT_MAPPING.pair({s.name: s.shape for s in hj.specs(linen)})
+    assert sorted(p.torch for p in nnx_pairs.pairs) == sorted(p.torch for p in linen_pairs.pairs)
+
+
+def test_mapping_names_a_value_suffix():
+    from hybrid.core import MappingError
+    with pytest.raises(MappingError, match=r"drop the '\.value'.*|'h\.0\.ln_1\.bias'"):
+        GPT_MAPPING.pair({"h.0.ln_1.bias.value": (16,)}, {"h.0.ln_1.bias": (16,)})
+
+
+# -- nnx.Optimizer(model, zero(...), wrt=nnx.Param) under nnx.jit + nnx.shard_map -------------------
+# every optimizer-state array with a dimension is this device's slice of a bucket; counts are scalars
+OPT_SPEC = nnx.StateSharding({(lambda path, x: x.ndim > 0): P(AXIS), ...: P()})
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nnx_optimizer_zero_equals_optax(stage):
+    model = _model()
+    tx = hj.zero(_tx(), AXIS, stage=stage)
+
+    @nnx.jit
+    @nnx.shard_map(mesh=MESH, in_specs=P(), out_specs=OPT_SPEC)
+    def make_optimizer(model):
+        return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    @nnx.shard_map(mesh=MESH, in_specs=(P(), OPT_SPEC, P(AXIS), P(AXIS)), out_specs=P())
+    def step(model, optimizer, idx, tgt):
+        optimizer.update(model, hj.local_grad(nnx_loss, AXIS)(model, idx, tgt))  # this device's gradient
+        return jax.lax.pmean(nnx_loss(model, idx, tgt), AXIS)
+
+    optimizer = make_optimizer(model)
+    for i in range(STEPS):
+        step(model, optimizer, *_batch(i))
+    _close(_params(model), _reference())
+    held = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(nnx.state(optimizer.opt_state)) if x.ndim)
+    whole = 2 * sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # Adam's mu and nu
+    assert held < whole / 4 + 2 * 4 * len(jax.tree.leaves(optimizer.opt_state))  # 1/4, plus bucket padding
+    assert int(optimizer.step[...]) == STEPS
+
+
+def test_functional_split_merge_under_jax_jit():
+    """The functional NNX step (``nnx.split`` once, ``nnx.merge`` inside) under jax.jit + jax.shard_map."""
+    graphdef, params = nnx.split(_model(), nnx.Param)
+    tx = hj.zero(_tx(), AXIS, stage=2)
+    specs = hj.state_specs(tx, params, AXIS, axis_size=4)
+
+    def loss(params, idx, tgt):
+        return nnx_loss(nnx.merge(graphdef, params), idx, tgt)
+
+    def step(params, state, idx, tgt):
+        updates, state = tx.update(hj.local_grad(loss, AXIS)(params, idx, tgt), state, params)
+        return optax.apply_updates(params, updates), state
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=MESH, in_specs=P(), out_specs=specs))
+    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)))
+    state = init(params)
+    for i in range(STEPS):
+        params, state = step(params, state, *_batch(i))
+    assert isinstance(params, nnx.State)
+    _close(nnx.to_pure_dict(params), _reference())
+
+
+def _stage3_run(shards):
+    """zero(stage=3) on ParamShards of an nnx.State, the loss gathering them into the model."""
+    graphdef = nnx.graphdef(_model())
+    tx = hj.zero(_tx(), AXIS, stage=3)
+    specs = hj.state_specs(tx, shards, AXIS, axis_size=4)
+    loss = hj.gathered(lambda params, idx, tgt: nnx_loss(nnx.merge(graphdef, params), idx, tgt))
+
+    def step(shards, state, idx, tgt):
+        updates, state = tx.update(jax.grad(loss)(shards, idx, tgt), state, shards)
+        return optax.apply_updates(shards, updates), state
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=MESH, in_specs=P(AXIS), out_specs=specs))
+    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
+                                 out_specs=(P(AXIS), specs)))
+    state = init(shards)
+    for i in range(STEPS):
+        shards, state = step(shards, state, *_batch(i))
+    return hj.unshard_params(shards), state
+
+
+def test_stage3_on_nnx_state_equals_optax():
+    params = jax.jit(lambda: nnx.split(_model(), nnx.Param)[1])()  # init_shards' values are the jitted init's
+    shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, AXIS), mesh=MESH, in_specs=P(),
+                                   out_specs=P(AXIS)))(params)
+    born = hj.init_shards(lambda: nnx.split(_model(), nnx.Param)[1], mesh=MESH, axis_name=AXIS)
+    assert born.layout == shards.layout
+    for a, b in zip(born.buckets, shards.buckets):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trained, _ = _stage3_run(born)
+    assert isinstance(trained, nnx.State)
+    _close(nnx.to_pure_dict(trained), _reference())
+
+
+def test_nnx_checkpoint_crosses_to_torch_and_linen(tmp_path):
+    """An NNX run's zero state saved under torch's names loads into TorchGPT + torch Adam and into
+    the linen tree; without a mapping its names carry no '.value'."""
+    torch = pytest.importorskip("torch")
+    from hybrid.checkpoint import jax as ckpt_jax, torch as ckpt_torch
+    from hybrid.models import TorchGPT
+
+    graphdef, params = nnx.split(_model(), nnx.Param)
+    tx = hj.zero(optax.adam(1e-2), AXIS, stage=2)
+    specs = hj.state_specs(tx, params, AXIS, axis_size=4)
+    loss = lambda p, idx, tgt: nnx_loss(nnx.merge(graphdef, p), idx, tgt)
+
+    def step(p, state, idx, tgt):
+        updates, state = tx.update(hj.local_grad(loss, AXIS)(p, idx, tgt), state, p)
+        return optax.apply_updates(p, updates), state
+
+    state = jax.jit(jax.shard_map(tx.init, mesh=MESH, in_specs=P(), out_specs=specs))(params)
+    params, state = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+                                          out_specs=(P(), specs)))(params, state, *_batch(0))
+    path = str(tmp_path / "nnx")
+    ckpt_jax.save(path, params, state, step=1, mapping=GPT_MAPPING)
+
+    model = TorchGPT(CONFIG)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    assert ckpt_torch.load(path, model, adam) == 1
+    kernel = np.asarray(params["h"][0]["attn"]["c_attn"]["kernel"][...])
+    np.testing.assert_array_equal(model.h[0].attn.c_attn.weight.detach().numpy(), kernel.T)
+    mu = ckpt_jax.load(path, params, tx_state_like := optax.adam(1e-2).init(params), mapping=GPT_MAPPING)[1][0].mu
+    del tx_state_like
+    np.testing.assert_array_equal(adam.state[model.h[0].attn.c_attn.weight]["exp_avg"].numpy(),
+                                  np.asarray(mu["h"][0]["attn"]["c_attn"]["kernel"][...]).T)
+
+    linen = jax.eval_shape(FlaxGPT(CONFIG).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    linen = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), linen)
+    linen, _, _ = ckpt_jax.load(path, linen, optax.adam(1e-2).init(linen), mapping=GPT_MAPPING)
+    np.testing.assert_array_equal(np.asarray(linen["h_0"]["attn"]["c_attn"]["kernel"]), kernel)
+
+    torch_path = str(tmp_path / "torch")  # and back: torch's save into a fresh NNX state
+    ckpt_torch.save(torch_path, model, adam, step=1, world_size=2)
+    fresh = nnx.state(_model(), nnx.Param)
+    fresh, _, got = ckpt_jax.load(torch_path, fresh, optax.adam(1e-2).init(fresh), mapping=GPT_MAPPING)
+    assert got == 1 and isinstance(fresh, nnx.State)
+    np.testing.assert_array_equal(np.asarray(fresh["h"][0]["attn"]["c_attn"]["kernel"][...]), kernel)
+
+    plain = ckpt_jax.save(str(tmp_path / "plain"), params, state, step=1)  # NNX's own names
+    names = [s.name for s in plain.plan.specs]
+    assert "h.0.attn.c_attn.kernel" in names and not [n for n in names if n.endswith("value")]
+
