@@ -241,8 +241,8 @@ def test_jax_variants_that_fail_to_compile_are_reported(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("does not lower")
 
-    monkeypatch.setattr(_jax._jax_steps, "compile_steps", broken)
-    monkeypatch.setattr(_jax._jax_steps, "compile_zero3", broken)
+    monkeypatch.setattr(_jax._steps, "compile_steps", broken)
+    monkeypatch.setattr(_jax._steps, "compile_zero3", broken)
     bench = StepBench("cpu", model="tiny", batch=1, seq=8, dtypes=("float32",), reps=1, warmup=0)
     res = _jax.measure(bench, jax.devices()[:1])
     failed = res["dtypes"]["float32"]["failed"]

@@ -7,7 +7,10 @@ import re
 
 import pytest
 
-from hybrid.bench import _zero3, checkpoint, compile as compile_bench, ddp, jax as jax_bench, pack, zero
+from hybrid.bench import compile as compile_bench, ddp, jax as jax_bench
+from hybrid.bench.checkpoint import _command as checkpoint
+from hybrid.bench.pack import _command as pack
+from hybrid.bench.zero import _command as zero, _zero3
 
 HEADER = re.compile(r"ratio of times\s+paired\s+middle half\s+of medians\s+better")
 AA = re.compile(r"^(?P<group>.*?)\s+A/A \(noise\) (?P<what>.+?)\s+(?P<paired>[\d.]+)\s+(?P<lo>[\d.]+)-(?P<hi>[\d.]+)"
@@ -138,7 +141,7 @@ def test_checkpoint_aa_is_neighbouring_plain_io(capsys, reps):
 
 
 def test_checkpoint_formats_rows_divide_by_hybrids_own(capsys):
-    from hybrid.bench import _checkpoint_formats as formats
+    from hybrid.bench.checkpoint import _dcp_orbax as formats
 
     own = [0.010, 0.012, 0.010, 0.012]
     times = {"hybrid save": own, "dcp save": [2 * t for t in own], "hybrid load": [0.005] * 4,

@@ -4,7 +4,7 @@ path packs the plan's layout and unpacks it back, so the GPU rows time the same 
 import pytest
 import torch
 
-from hybrid.bench.pack import _copy_paths
+from hybrid.bench.pack._command import _copy_paths
 from hybrid.core import TensorSpec, pack, plan_buckets
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybrid.bench import _pack_projection
+from hybrid.bench.pack import _projection as _pack_projection
 from hybrid.core import TensorSpec, plan_buckets
 from hybrid.kernels._projection import H100_SXM, project_plan
 from hybrid.kernels._resources import ARCHS, copy_path_ops, cuda_tool, kernel_resources, occupancy

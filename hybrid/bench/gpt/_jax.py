@@ -2,7 +2,7 @@
 of JAX devices (``bench jax --device D``).
 
 The flax half of the model pair (``hybrid.models.FlaxGPT``), AdamW. Variants, each a jitted
-``shard_map`` train step over axis ``"dp"`` with params and state donated (``hybrid.bench._jax_steps``):
+``shard_map`` train step over axis ``"dp"`` with params and state donated (``hybrid.bench.jax._steps``):
 
 - ``unsharded_adamw``: ``optax.chain(pmean per leaf, optax.adamw)``, the reference, timed twice
   per round (``unsharded_adamw'``, the A/A);
@@ -20,7 +20,7 @@ not donated, temporaries), the one per-variant figure JAX offers (its device pea
 
 from __future__ import annotations
 
-from hybrid.bench import _jax_steps
+from hybrid.bench.jax import _steps
 from hybrid.bench.gpt._config import LR, StepBench
 
 REFERENCE = "unsharded_adamw"
@@ -64,9 +64,9 @@ def measure(bench: StepBench, devices, *, copy_backend: str | None = None, on_dt
         steps, states, failed = _compile_variants(params, batch, mesh, loss_of(model, dtype), copy_backend)
         # without its reference no variant has anything to be timed against
         order = [] if REFERENCE in failed else [name for name in ORDER if name.rstrip("'") in steps]
-        wall, cpu = _jax_steps.run_interleaved(steps, states, batch, bench.reps, 1, order, warmup=bench.warmup)
-        memory = {name: {"held": _jax_steps.bytes_per_device(states[name], devices[0]),
-                         "peak": _jax_steps.step_plan_bytes(steps[name])} for name in steps}
+        wall, cpu = _steps.run_interleaved(steps, states, batch, bench.reps, 1, order, warmup=bench.warmup)
+        memory = {name: {"held": _steps.bytes_per_device(states[name], devices[0]),
+                         "peak": _steps.step_plan_bytes(steps[name])} for name in steps}
         result["dtypes"][dtype] = {"times": wall, "cpu": cpu, "memory": memory, "failed": failed}
         del steps, states
         if on_dtype is not None:
@@ -81,15 +81,15 @@ def _compile_variants(params, batch, mesh, loss, copy_backend):
 
     import hybrid.jax as hj
     adamw = lambda: optax.adamw(LR)  # noqa: E731 (a fresh transform per variant)
-    compilers = {REFERENCE: lambda: _jax_steps.compile_steps(
-        {REFERENCE: (optax.chain(_jax_steps.pmean_tree("dp"), adamw()), True)}, params, batch, mesh, loss)}
+    compilers = {REFERENCE: lambda: _steps.compile_steps(
+        {REFERENCE: (optax.chain(_steps.pmean_tree("dp"), adamw()), True)}, params, batch, mesh, loss)}
     for stage in (1, 2):
         name = f"zero{stage}_adamw"
-        compilers[name] = lambda name=name, stage=stage: _jax_steps.compile_steps(
+        compilers[name] = lambda name=name, stage=stage: _steps.compile_steps(
             {name: (hj.zero(adamw(), "dp", stage=stage, copy_backend=copy_backend), True)}, params, batch, mesh, loss)
 
     def zero3():
-        step, state = _jax_steps.compile_zero3(hj.zero(adamw(), "dp", stage=3), params, batch, mesh, loss,
+        step, state = _steps.compile_zero3(hj.zero(adamw(), "dp", stage=3), params, batch, mesh, loss,
                                                copy_backend=copy_backend)
         return {"zero3_adamw": step}, {"zero3_adamw": state}
 

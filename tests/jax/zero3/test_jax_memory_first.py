@@ -1,7 +1,7 @@
 """``hybrid.jax.use_memory_first_xla_cpu`` (issue 36, item 6, the JAX side): with its XLA:CPU flags
 a stage-3 step's compiled temporaries are this device's gradient share and one layer at a time
 (its gathered parameters and its full gradient), not the whole model twice, and training gives
-the same parameters. The budget bench's program (``hybrid.bench._zero3_budget_jax``: 8 x
+the same parameters. The budget bench's program (``hybrid.bench.zero._zero3_budget_jax``: 8 x
 Linear(512, 512) + tanh, 8.0 MiB of float32 parameters, Adam, 4 host devices, ``init_shards``
 then 8 steps), in two processes: the flags must be set before JAX starts.
 """
@@ -24,7 +24,7 @@ MiB = 2**20
 def _run(tmp_path, *extra: str) -> dict:
     out = tmp_path / f"run{len(extra)}.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(DEVICES), str(WIDTH), str(DEPTH),
+    subprocess.run([sys.executable, "-m", "hybrid.bench.zero._zero3_budget_jax", str(DEVICES), str(WIDTH), str(DEPTH),
                     "32", str(out), *extra], check=True, env=env, timeout=120)
     return json.loads(out.read_text())
 

@@ -27,9 +27,9 @@ DDP's own communication buckets (full size in every variant, as in torch) are li
 ``torch_zero1`` is stepped a second time in every round (``torch_zero1'``, right after
 ``hybrid_zero1``) for the A/A row of the ratio table: the reference against itself.
 
-Then the stage-3 part (``hybrid.bench._zero3``): ZeRO-3 beside DDP, FSDP2, ZeRO-1 and ZeRO-2 on
+Then the stage-3 part (``hybrid.bench.zero._zero3``): ZeRO-3 beside DDP, FSDP2, ZeRO-1 and ZeRO-2 on
 the MLP and on 100 small layers, at 2 and 3 ranks: allocator-counted memory and step times.
-``--part budget`` (``hybrid.bench._zero3_budget``): a model no rank can hold, built on the meta
+``--part budget`` (``hybrid.bench.zero._zero3_budget``): a model no rank can hold, built on the meta
 device under a per-rank budget, beside FSDP2's meta build, at 2, 3 and 4 ranks, and JAX's stage 3.
 
 With ``--device cuda`` (or ``cpu``) it times GPT training steps instead (GPT-2 small by default,
@@ -217,7 +217,7 @@ def main(argv: list[str]) -> int:
 
 
 def _stage3(args, reps: int) -> None:
-    from hybrid.bench import _zero3
+    from hybrid.bench.zero import _zero3
 
     worlds = tuple(int(w) for w in (args.worlds or "2,3").split(","))
     models = _zero3.QUICK_MODELS if args.quick else _zero3.MODELS
@@ -243,7 +243,7 @@ def _budget(args, reps: int) -> None:
     import subprocess
     import sys
 
-    from hybrid.bench import _zero3_budget as budget
+    from hybrid.bench.zero import _zero3_budget as budget
 
     worlds = tuple(int(w) for w in (args.worlds or "2,3,4").split(","))
     model = budget.QUICK_MODEL if args.quick else budget.MODEL
@@ -254,7 +254,7 @@ def _budget(args, reps: int) -> None:
         results[world] = [torch.load(os.path.join(outdir, f"budget-world{world}-rank{r}.pt")) for r in range(world)]
         for flags in budget.JAX_LABELS:  # XLA:CPU's own, use_memory_first_xla_cpu's, and with the state in files
             out = os.path.join(outdir, f"jax-{world}-{flags.replace(' ', '-')}.json")
-            subprocess.run([sys.executable, "-m", "hybrid.bench._zero3_budget_jax", str(world), str(model["width"]),
+            subprocess.run([sys.executable, "-m", "hybrid.bench.zero._zero3_budget_jax", str(world), str(model["width"]),
                             str(model["depth"]), "32", out, *([] if flags == "default" else flags.split())], check=True)
             with open(out) as f:
                 jax_rows.setdefault(world, {})[flags] = json.load(f)

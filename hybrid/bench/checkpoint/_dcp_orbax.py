@@ -57,7 +57,7 @@ def torch_worker(rank: int, port: int, widths, reps: int, root: str, out: str) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hybrid.bench.zero import _mlp
+    from hybrid.bench.zero._command import _mlp
     from hybrid.checkpoint import torch as ckpt
     from hybrid.torch import ZeRO3, ZeRO3Optimizer
 

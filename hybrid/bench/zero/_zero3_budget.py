@@ -50,7 +50,7 @@ from torch import nn
 
 from hybrid.cli._table import format_table, human_bytes
 from hybrid.bench._stats import Ratio, ratio_table
-from hybrid.bench._zero3 import time_rounds, train_step
+from hybrid.bench.zero._zero3 import time_rounds, train_step
 
 VARIANTS = ("fsdp2", "hybrid_zero3", "hybrid_zero3_memory", "hybrid_zero3_in_backward", "hybrid_zero3_offload",
             "hybrid_zero3_offload_in_backward")
@@ -58,7 +58,7 @@ STATE_PER_BUDGET = 3  # the model's training state, in budgets (issue 36.6)
 REFERENCE = "fsdp2"
 ROUND = (*VARIANTS, REFERENCE + "'")
 MODEL = {"width": 1024, "depth": 12}
-# The JAX runs, each in a process of its own (argv of hybrid.bench._zero3_budget_jax), and their labels.
+# The JAX runs, each in a process of its own (argv of hybrid.bench.zero._zero3_budget_jax), and their labels.
 JAX_LABELS = {"default": "jax_zero3", "memory-first": "jax_zero3 memory-first",
               "memory-first offload": "jax_offloaded_zero3 memory-first"}
 QUICK_MODEL = {"width": 256, "depth": 8}

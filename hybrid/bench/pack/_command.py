@@ -174,11 +174,11 @@ def main(argv: list[str]) -> int:
     if args.project:
         if args.tokens <= 0 or not 0 < args.mfu <= 1:
             parser.error(f"--tokens must be positive and --mfu in (0, 1], got {args.tokens} and {args.mfu}")
-        from hybrid.bench import _pack_projection
+        from hybrid.bench.pack import _projection
         from hybrid.kernels._projection import DEVICES
         specs = {name: [TensorSpec(f"p{i}", s, "float32") for i, s in enumerate(shapes)]
                  for name, shapes in (("transformer", transformer_shapes()), ("2000 small", small_shapes()))}
-        return _pack_projection.main(specs, tokens=args.tokens, mfu=args.mfu, as_json=args.json,
+        return _projection.main(specs, tokens=args.tokens, mfu=args.mfu, as_json=args.json,
                                      device=DEVICES[args.gpu])
     import torch
     from hybrid import kernels

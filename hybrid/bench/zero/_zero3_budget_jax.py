@@ -3,7 +3,7 @@ born sharded (``hybrid.jax.init_shards``), 3 steps of ``zero(adam, stage=3)``; w
 holds (its slices of the parameters and of Adam's state, counted from the arrays' shards) and the
 temporaries XLA's compiled init and step say they need (``memory_analysis``), per device.
 
-    python -m hybrid.bench._zero3_budget_jax N WIDTH DEPTH BATCH OUT.json [memory-first] [offload]
+    python -m hybrid.bench.zero._zero3_budget_jax N WIDTH DEPTH BATCH OUT.json [memory-first] [offload]
 
 ``memory-first``: with :func:`hybrid.jax.use_memory_first_xla_cpu`'s XLA:CPU flags. ``offload``:
 Adam's state in files (:class:`hybrid.jax.OffloadedZero3`, under a temporary directory beside

@@ -20,7 +20,7 @@ JAX: ``hybrid.jax.zero`` state on 2 host devices in one process, ``hybrid.checkp
 (the devices' files written in parallel threads) against writing the same files plainly in the
 same threads, and ``load`` against reading them (one thread per file).
 
-Then the foreign formats beside hybrid's own (``_checkpoint_formats.py``): torch DCP (saved by
+Then the foreign formats beside hybrid's own (``_dcp_orbax.py``): torch DCP (saved by
 FSDP2 with torch's ``dcp.save``, loaded by hybrid into ZeRO3 and by torch into FSDP2) and orbax
 (saved and restored by ``StandardCheckpointer``, loaded by hybrid into ``hybrid.jax.zero``), each
 against hybrid's save and load of the same state; ``--skip-formats`` leaves them out.
@@ -88,7 +88,7 @@ def _torch_worker(rank: int, port: int, widths, reps: int, root: str, out: str) 
     import torch
     import torch.distributed as dist
 
-    from hybrid.bench.zero import _mlp
+    from hybrid.bench.zero._command import _mlp
     from hybrid.checkpoint import torch as ckpt
     from hybrid.torch import DistributedDataParallel, ZeroRedundancyOptimizer
 
@@ -141,10 +141,10 @@ def _jax_bench(widths, reps: int, root: str) -> dict:
     from jax.sharding import Mesh, PartitionSpec as P
 
     import hybrid.jax as hj
-    from hybrid.bench import _checkpoint_formats
+    from hybrid.bench.checkpoint import _dcp_orbax
     from hybrid.checkpoint import jax as ckpt
 
-    params = _checkpoint_formats.jax_mlp_params(widths)
+    params = _dcp_orbax.jax_mlp_params(widths)
     mesh = Mesh(np.array(jax.devices()[:WORLD_SIZE]), ("dp",))
     tx = hj.zero(optax.adam(1e-3), "dp")
     specs = hj.state_specs(tx, params, "dp", axis_size=WORLD_SIZE)
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
             _report(f"JAX, hybrid.jax.zero on {WORLD_SIZE} host devices, one process",
                     _jax_bench(widths, reps, root), goal=goal)
         if not args.skip_formats:
-            from hybrid.bench import _checkpoint_formats
-            _checkpoint_formats.run(widths, reps, root, skip_jax=args.skip_jax)
+            from hybrid.bench.checkpoint import _dcp_orbax
+            _dcp_orbax.run(widths, reps, root, skip_jax=args.skip_jax)
     print("\n" + _LEGEND)
     return 0

@@ -31,8 +31,9 @@ import os
 import re
 import sys
 
-from hybrid.bench import _jax_steps, gpt
-from hybrid.bench._jax_steps import bytes_per_device, pmean_tree, print_times, run_interleaved
+from hybrid.bench import gpt
+from hybrid.bench.jax import _steps
+from hybrid.bench.jax._steps import bytes_per_device, pmean_tree, print_times, run_interleaved
 from hybrid.bench._stats import Ratio, ratio_table
 
 
@@ -159,7 +160,7 @@ def main(argv: list[str]) -> int:
     if args.breakdown:
         variants["local_sgd"] = (optax.sgd(1e-3), False)
         variants["pack_only_sgd"] = (optax.chain(pack_only(), optax.sgd(1e-3)), False)
-    steps, states = _jax_steps.compile_steps(variants, params, x, mesh, _loss)
+    steps, states = _steps.compile_steps(variants, params, x, mesh, _loss)
     # psum_sgd again right after bucketed_sgd, as bucketed_sgd is after psum_sgd: the A/A row.
     order = ["psum_sgd", "bucketed_sgd", "psum_sgd'", *list(variants)[2:]]
     times, cpu = run_interleaved(steps, states, x, args.reps, args.steps, order)
@@ -192,8 +193,8 @@ def main(argv: list[str]) -> int:
     variants = {"unsharded_adam": (optax.chain(pmean_tree("dp"), adam()), True),
                 "zero1_adam": (hj.zero(adam(), "dp", stage=1), True),
                 "zero2_adam": (hj.zero(adam(), "dp", stage=2), True)}
-    steps, states = _jax_steps.compile_steps(variants, params, x, mesh, _loss)
-    steps["zero3_adam"], states["zero3_adam"] = _jax_steps.compile_zero3(hj.zero(adam(), "dp", stage=3), params, x, mesh, _loss)
+    steps, states = _steps.compile_steps(variants, params, x, mesh, _loss)
+    steps["zero3_adam"], states["zero3_adam"] = _steps.compile_zero3(hj.zero(adam(), "dp", stage=3), params, x, mesh, _loss)
     order = ["unsharded_adam", "zero1_adam", "unsharded_adam'", "zero2_adam", "zero3_adam"]
     times, cpu = run_interleaved(steps, states, x, args.zero_reps, args.zero_steps, order)
     print(f"[2] ZeRO: MLP {args.zero_depth} x {args.zero_width}^2, {num_params} float32 params, global batch "
