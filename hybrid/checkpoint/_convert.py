@@ -127,4 +127,5 @@ def _writer(ckpt, to: str, *, world_size, mapping, like, param_groups) -> Callab
     metadata = {**m.metadata, "converted_from": ckpt.format}
     return lambda path: save_arrays(path, params, world_size=world_size, step=m.step, slots=slots,
                                     optimizer=m.optimizer, plan=plan_buckets(m.plan.specs), framework=m.framework, metadata=metadata,
-                                    buffers=buffers, run_state=dict(m.run_state))
+                                    buffers=buffers, run_state=dict(m.run_state),
+                                    buffer_dtypes={n: e["dtype"] for n, e in m.buffers.items()})

@@ -27,16 +27,17 @@ __all__ = ["Checkpoint", "read_state", "storage_dtype", "write_shard"]
 
 
 def write_shard(path: str | os.PathLike, rank: int, world_size: int, tensors: dict[str, list[np.ndarray]], *,
-                body_digest: str) -> FileEntry:
+                body_digest: str, dtypes: dict[str, str] | None = None) -> FileEntry:
     """Write rank ``rank``'s file into the staging directory of ``path``; returns its entry.
 
     ``tensors[key]`` is a list of 1-D pieces whose concatenation is the saved tensor (a slice of
     a flat bucket, cut from the parameters without packing them first). ``body_digest`` is the
     :meth:`Manifest.body_digest` of the manifest that will list the file: recorded in its header,
-    it binds the manifest's fields to the file's checksum.
+    it binds the manifest's fields to the file's checksum. ``dtypes``: each key's logical dtype
+    (:meth:`Manifest.tensor_dtypes`), named in the header where safetensors has no type for it.
     """
     name = shard_file_name(rank, world_size)
-    chunks, header = encode(tensors, {BODY_DIGEST_KEY: body_digest})
+    chunks, header = encode(tensors, {BODY_DIGEST_KEY: body_digest}, dtypes)
     size = write_atomically(staging(path) / name, chunks, header)
     return FileEntry(name, rank, size, header_xxh3_128=digest(header()))
 

@@ -147,6 +147,10 @@ class Manifest:
                 "dtypes": self.dtypes, "files": [f.to_json() for f in self.files], "metadata": self.metadata,
                 "buffers": self.buffers, "run_state": self.run_state}
 
+    def tensor_dtypes(self) -> dict[str, str]:
+        """The dtype of every tensor key of the files: the buckets' and the buffers' (``buffers/NAME``)."""
+        return {**self.dtypes, **{f"buffers/{n}": e["dtype"] for n, e in self.buffers.items()}}
+
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
 

@@ -16,15 +16,8 @@ import pathlib
 import numpy as np
 
 from hybrid.core import FlatShardPlan, ReshardPlan, reshard
+from hybrid.checkpoint._dtypes import storage_dtype
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
-
-# numpy has no bfloat16: such tensors are stored as their raw 16 bits, the manifest keeps the name.
-_STORED_AS = {"bfloat16": np.uint16}
-
-
-def storage_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype a tensor of logical dtype ``dtype`` is stored (and read back) as."""
-    return np.dtype(_STORED_AS.get(dtype, dtype))
 
 
 class CheckpointReader:

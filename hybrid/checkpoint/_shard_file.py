@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
+from hybrid.checkpoint._dtypes import DTYPES_KEY, entry_storage, safetensors_entry
 from hybrid.checkpoint._manifest import CheckpointError
 
 CHUNK_BYTES = 1 << 20
@@ -31,9 +32,6 @@ _DIGEST_HEX = 32
 # safetensors refuses larger headers too.
 _MAX_HEADER_BYTES = 100_000_000
 
-_SAFETENSORS_DTYPE = {"float64": "F64", "float32": "F32", "float16": "F16", "uint16": "U16", "int64": "I64",
-                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-_NUMPY_DTYPE = {v: np.dtype(k) for k, v in _SAFETENSORS_DTYPE.items()}
 
 
 def digest(data) -> str:
@@ -41,11 +39,14 @@ def digest(data) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def encode(tensors: dict[str, list[np.ndarray]], metadata: dict[str, str]
+def encode(tensors: dict[str, list[np.ndarray]], metadata: dict[str, str], dtypes: dict[str, str] | None = None
            ) -> tuple[Iterator[memoryview | bytes], Callable[[], bytes]]:
     """A shard file's bytes, streamed from 1-D pieces: ``(chunks, header)``.
 
-    ``tensors[key]`` is the concatenation of its pieces, which are never joined in memory.
+    ``tensors[key]`` is the concatenation of its pieces (stored dtypes, ``_dtypes.py``), which
+    are never joined in memory; ``dtypes[key]``, where given, its logical dtype (bfloat16 stored
+    as uint16, ...), recorded in the header where its safetensors type is not it (complex
+    tensors are written as their real view, ``[n, 2]``).
     ``chunks`` yields the header (placeholder digests) and then the data, hashing every
     ``CHUNK_BYTES`` as it goes; once it is exhausted, ``header()`` is the final header, of the
     same length, to write over the first bytes.
@@ -55,15 +56,19 @@ def encode(tensors: dict[str, list[np.ndarray]], metadata: dict[str, str]
     >>> len(header()) == len(data) - 12 and header() != data[:len(header())]
     True
     """
-    entries, offset = {}, 0
+    entries, offset, true_dtypes = {}, 0, {}
     for key, pieces in tensors.items():
         dtype = pieces[0].dtype
         assert all(p.dtype == dtype and p.ndim == 1 for p in pieces), key
         n = sum(p.shape[0] for p in pieces)
-        entries[key] = {"dtype": _SAFETENSORS_DTYPE[dtype.name], "shape": [n],
-                        "data_offsets": [offset, offset + n * dtype.itemsize]}
+        kind, shape, true_dtype = safetensors_entry(dtype, n, (dtypes or {}).get(key))
+        if true_dtype is not None:
+            true_dtypes[key] = true_dtype
+        entries[key] = {"dtype": kind, "shape": shape, "data_offsets": [offset, offset + n * dtype.itemsize]}
         offset += n * dtype.itemsize
     num_chunks = -(-offset // CHUNK_BYTES)
+    if true_dtypes:
+        metadata = {**metadata, DTYPES_KEY: json.dumps(true_dtypes, separators=(",", ":"))}
 
     def header_of(digests: list[str]) -> bytes:
         meta = {**metadata, CHUNK_BYTES_KEY: str(CHUNK_BYTES), CHUNK_DIGESTS_KEY: "".join(digests)}
@@ -147,7 +152,8 @@ class ShardHeader:
             d = json.loads(raw[8:])
             metadata = d.pop("__metadata__", None) or {}
             data_bytes = file_size - 8 - n
-            tensors = {key: cls._entry(e, data_bytes) for key, e in d.items()}
+            true_dtypes = json.loads(metadata.get(DTYPES_KEY, "{}"))
+            tensors = {key: cls._entry(e, data_bytes, true_dtypes.get(key)) for key, e in d.items()}
             chunk_bytes = int(metadata[CHUNK_BYTES_KEY]) if CHUNK_BYTES_KEY in metadata else None
             digests = None
             if chunk_bytes is not None:
@@ -160,11 +166,14 @@ class ShardHeader:
         return cls(8 + n, data_bytes, tensors, metadata, chunk_bytes, digests)
 
     @staticmethod
-    def _entry(e: dict, data_bytes: int) -> TensorEntry:
-        dtype = _NUMPY_DTYPE[e["dtype"]]
+    def _entry(e: dict, data_bytes: int, true_dtype: str | None) -> TensorEntry:
+        """A tensor's entry; ``dtype`` is its storage dtype (a complex tensor's real view
+        ``[n, 2]`` is ``n`` complex elements), ``shape`` as the header writes it."""
         shape = tuple(int(x) for x in e["shape"])
+        dtype = entry_storage(e["dtype"], shape, true_dtype)
         start, stop = (int(x) for x in e["data_offsets"])
-        if not 0 <= start <= stop <= data_bytes or stop - start != int(np.prod(shape)) * dtype.itemsize:
+        component = np.dtype(entry_storage(e["dtype"], shape, None)).itemsize
+        if not 0 <= start <= stop <= data_bytes or stop - start != int(np.prod(shape)) * component:
             raise ValueError(f"offsets {[start, stop]} of a {e['dtype']}{list(shape)} tensor in {data_bytes} bytes")
         return TensorEntry(dtype, shape, start, stop)
 

@@ -65,13 +65,15 @@ def rank_tensors(plan: BucketPlan, world_size: int, rank: int, *, flats: Mapping
     return out
 
 
-def buffer_entries(buffers: Mapping[str, np.ndarray]) -> tuple[dict[str, dict], dict[str, list[np.ndarray]]]:
+def buffer_entries(buffers: Mapping[str, np.ndarray], dtypes: Mapping[str, str] | None = None
+                   ) -> tuple[dict[str, dict], dict[str, list[np.ndarray]]]:
     """The manifest's ``buffers`` field and rank 0's extra file contents for replicated buffers
-    (``{name: array}`` in stored dtypes, bfloat16 as its bits with the logical dtype named)."""
+    (``{name: array}`` in stored dtypes; ``dtypes[name]``: the logical dtype of one stored as its
+    bits, a bfloat16 or float8 buffer as unsigned integers, default the array's own)."""
     meta, tensors = {}, {}
     for name, array in buffers.items():
         array = np.asarray(array)
-        meta[name] = {"shape": list(array.shape), "dtype": canonical_dtype(array.dtype)}
+        meta[name] = {"shape": list(array.shape), "dtype": (dtypes or {}).get(name) or canonical_dtype(array.dtype)}
         tensors[f"buffers/{name}"] = [to_storage(array).reshape(-1)]
     return meta, tensors
 
@@ -84,7 +86,7 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
                  flats: Mapping[str, list[np.ndarray]] = {}, arrays: Mapping[str, Sequence[np.ndarray]] = {},
                  stage: int | None = None, optimizer: OptimizerInfo | None = None,
                  metadata: dict | None = None, buffers: Mapping[str, np.ndarray] | None = None,
-                 run_state: dict | None = None) -> Manifest:
+                 run_state: dict | None = None, buffer_dtypes: Mapping[str, str] | None = None) -> Manifest:
     """Save ``world_size`` rank files from this process, written in parallel, the manifest last.
 
     Each kind comes as padded flat buckets (``flats[kind][b]`` of ``padded_length(b)`` elements) or
@@ -95,7 +97,7 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
         lengths = [len(f) for f in per_bucket]
         want = [shards.padded_length(b) for b in range(plan.num_buckets)]
         assert lengths == want, f"{kind}: flat lengths {lengths}, the plan pads to {want}"
-    buffer_meta, buffer_tensors = buffer_entries(buffers or {})
+    buffer_meta, buffer_tensors = buffer_entries(buffers or {}, buffer_dtypes)
     body = Manifest(framework, world_size, stage, int(step), plan, optimizer, dtypes_of(plan, [*flats, *arrays]),
                     (), dict(metadata or {}), buffer_meta, check_json(run_state or {}, "run state"))
     digest = body.body_digest()
@@ -107,7 +109,8 @@ def save_sharded(path: str | os.PathLike, *, plan: BucketPlan, world_size: int, 
     begin_save(path)
     with concurrent.futures.ThreadPoolExecutor(min(world_size, 8)) as pool:
         try:
-            files = list(pool.map(lambda r: write_shard(path, r, world_size, contents(r), body_digest=digest),
+            files = list(pool.map(lambda r: write_shard(path, r, world_size, contents(r), body_digest=digest,
+                                                         dtypes=body.tensor_dtypes()),
                                   range(world_size)))
             manifest = dataclasses.replace(body, files=tuple(files))
             commit_save(path, manifest, remove_previous=False)
@@ -122,7 +125,7 @@ def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, wo
                 slots: Mapping[str, Mapping[str, np.ndarray]] | None = None, optimizer: OptimizerInfo | None = None,
                 plan: BucketPlan | None = None, stage: int | None = None, framework: str = "numpy",
                 metadata: dict | None = None, buffers: Mapping[str, np.ndarray] | None = None,
-                run_state: dict | None = None) -> Manifest:
+                run_state: dict | None = None, buffer_dtypes: Mapping[str, str] | None = None) -> Manifest:
     """Save whole arrays by name (registration order) as a checkpoint of ``world_size`` shards.
 
     Args:
@@ -135,6 +138,7 @@ def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, wo
       plan: the bucket plan to cut by; default ``plan_buckets`` of the arrays' specs.
       stage, framework, metadata: recorded in the manifest.
       buffers: replicated non-trainable arrays by name (BatchNorm statistics), saved once.
+      buffer_dtypes: the logical dtype of a buffer given as its stored bits (``{name: "bfloat16"}``).
       run_state: JSON the run needs back (``{"scheduler": ..., "state": ...}``).
 
     >>> import numpy as np, tempfile, os
@@ -160,7 +164,8 @@ def save_arrays(path: str | os.PathLike, params: Mapping[str, np.ndarray], *, wo
 
     arrays = {"params": ordered(params, "params"), **{k: ordered(v, k) for k, v in slots.items()}}
     return save_sharded(path, plan=plan, world_size=world_size, arrays=arrays, framework=framework, step=step,
-                        stage=stage, optimizer=optimizer, metadata=metadata, buffers=buffers, run_state=run_state)
+                        stage=stage, optimizer=optimizer, metadata=metadata, buffers=buffers, run_state=run_state,
+                        buffer_dtypes=buffer_dtypes)
 
 
 def check_json(value: dict, what: str) -> dict:

@@ -33,8 +33,9 @@ _CLASSES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.o
 
 
 def _tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.view(torch.int16).view(torch.bfloat16) if dtype == "bfloat16" else t
+    """A stored array as the tensor of its logical ``dtype`` (bits viewed: bfloat16, float8, ...)."""
+    from hybrid.checkpoint.torch._dtypes import from_numpy
+    return from_numpy(a, getattr(torch, dtype), dtype)
 
 
 def torch_param_groups(info: OptimizerInfo, names: list[str], given=None, *, where: str) -> list[dict]:

@@ -90,6 +90,9 @@ def load(path, params, opt_state=None, *, order=None,
         loaded_params, loaded_state, step = load(ckpt, view.params, view.state, order=view.order, **caps)
         return (*view.back(params, opt_state, loaded_params, loaded_state), step)
     layout = _layout(params, order, caps, ready_order, pairing)
+    from hybrid.checkpoint.jax._tree import check_jax_dtypes
+    check_jax_dtypes({s.name: s.dtype for s in ckpt.manifest.plan.specs}, {s.name: s.dtype for s in layout.plan.specs},
+                     where=str(ckpt.path))
     ckpt.check_model(layout.plan.specs, what="params")
     ckpt.verify()
     if isinstance(opt_state, OffloadedZero3):
@@ -127,6 +130,10 @@ def load_buffers(path, buffers, *, format: str | None = None):
     ckpt = open_checkpoint(path, format=format)
     names, leaves, treedef = _leaves(buffers)
     ckpt.check_buffers({n: tuple(np.shape(x)) for n, x in zip(names, leaves)}, what="buffers")
+    from hybrid.checkpoint.jax._tree import check_jax_dtypes
+    check_jax_dtypes({n: e["dtype"] for n, e in ckpt.manifest.buffers.items()},
+                     {n: np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype for n, x in zip(names, leaves)},
+                     where=str(ckpt.path), what="buffer")
     saved = ckpt.buffers()
     return jax.tree_util.tree_unflatten(treedef, [_like(saved[n], x) for n, x in zip(names, leaves)])
 

@@ -166,7 +166,8 @@ def save_across_processes(path: str | os.PathLike, body: Manifest, ranks: list[i
         agree.wait("begun", 0, "start the save (protocol steps 1-3)", untouched)
     try:
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(ranks), 8))) as pool:
-            mine = list(pool.map(lambda r: write_shard(path, r, body.world_size, contents(r), body_digest=digest),
+            mine = list(pool.map(lambda r: write_shard(path, r, body.world_size, contents(r), body_digest=digest,
+                                                         dtypes=body.tensor_dtypes()),
                                  ranks))
     except BaseException as e:
         agree.fail("done" if me == 0 else f"files/{me}", e)  # where the others wait for this process

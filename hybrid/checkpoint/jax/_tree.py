@@ -20,9 +20,15 @@ _NODES = (ZeroState, optax.ScaleByScheduleState, *_SLOTS)
 
 
 def _as_dtype(value: np.ndarray, old) -> np.ndarray:
-    """``value`` (stored dtype: bfloat16 as its bits) in ``old``'s dtype."""
-    value = np.asarray(value).view(old.dtype) if jnp.dtype(old.dtype) == jnp.bfloat16 else value
-    return value.astype(old.dtype, copy=False)
+    """``value`` (stored dtype: bfloat16, the float8 types as their bits) in ``old``'s dtype:
+    bits viewed where ``value`` holds those of ``old``'s dtype (ml_dtypes' types), else converted."""
+    from hybrid.checkpoint._dtypes import storage_dtype
+    from hybrid.core import canonical_dtype
+
+    value, dtype = np.asarray(value), np.dtype(old.dtype)
+    if value.dtype != dtype and value.dtype == storage_dtype(canonical_dtype(dtype)):
+        return value.view(dtype)
+    return value.astype(dtype, copy=False)
 
 
 def _is_node(x) -> bool:
@@ -103,3 +109,43 @@ def _check_zero(zero: ZeroState, layout: _Layout, world_size: int) -> None:
 def _rank(index: tuple[slice, ...], flat, n: int) -> int:
     """The rank whose slice of zero's padded flat bucket ``flat`` (over ``n`` devices) is ``index``."""
     return (index[0].start or 0) // (flat.shape[0] // n)
+
+
+def jax_lacks(dtype: str) -> str | None:
+    """Why JAX cannot hold an array of ``dtype`` (a checkpoint's dtype name) as it is, or None:
+    complex32 has no JAX type; the 64-bit types need ``jax_enable_x64``.
+
+    >>> jax_lacks("bfloat16") is None, jax_lacks("complex32")
+    (True, 'JAX has no complex32 type')
+    """
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # x64 off: "requested float64 will be truncated", said below
+            jnp.zeros((0,), dtype)
+    except TypeError:
+        return f"JAX has no {dtype} type"
+    if jax.dtypes.canonicalize_dtype(dtype) != np.dtype(dtype):
+        return (f"JAX holds {dtype} only with jax.config.update('jax_enable_x64', True) (without it, "
+                f"{jax.dtypes.canonicalize_dtype(dtype)})")
+    return None
+
+
+def check_jax_dtypes(dtypes: dict[str, str], wanted, *, where: str, what: str = "tensor") -> None:
+    """Raise CheckpointError naming the first of ``wanted`` (``{name: the receiving array's
+    dtype}``) whose saved dtype (``dtypes[name]``) JAX cannot hold, or that is not the receiving
+    dtype where either is held as bits (bfloat16, float8: no conversion), before anything is read."""
+    from hybrid.checkpoint._dtypes import is_stored_as_bits
+    from hybrid.core import canonical_dtype
+
+    for name, into in wanted.items():
+        if name not in dtypes:
+            continue
+        saved, into = dtypes[name], canonical_dtype(into)
+        why = jax_lacks(saved)
+        if why is None and saved != into and (is_stored_as_bits(saved) or is_stored_as_bits(into)):
+            why = f"the receiving array is {into}"
+        if why is not None:
+            raise CheckpointError(f"{where}: {what} {name!r} is {dtypes[name]}, and {why}: it cannot be loaded into "
+                                  f"JAX bit for bit (load it in torch, or save it as another dtype)")

@@ -41,7 +41,7 @@ def write_and_commit(path, body: Manifest, tensors: dict, rank: int, world_size:
     """Write this rank's file of ``body`` (every rank builds the same body; its digest goes in each
     file), then commit: rank 0 writes the manifest with every rank's file entry and returns it
     (the others ``None``)."""
-    entry = write_shard(path, rank, world_size, tensors, body_digest=body.body_digest())
+    entry = write_shard(path, rank, world_size, tensors, body_digest=body.body_digest(), dtypes=body.tensor_dtypes())
     entries: list = [None] * world_size
     named_collective(path, "the all_gather_object of file checksums", dist.all_gather_object, entries, entry,
                      group=group)

@@ -65,9 +65,13 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
     >>> save(d, model, opt, step=1, world_size=2, state={"epoch": 3}).optimizer.slots
     ('mu', 'nu')
     """
+    from hybrid.checkpoint.torch._dtypes import check_tensors, logical_dtypes
+    # Every dtype checked before anything is written (on every rank alike: nobody waits on a file).
+    check_tensors([*named_parameters(module), *named_buffers(module)], where=f"save {path}")
     if _is_zero3(module):  # each rank writes its slices as they are: nothing is gathered
         return save_zero3(path, module, optimizer, step=step, extras=dict(
             metadata=metadata, buffers={n: _numpy(b) for n, b in named_buffers(module)},
+            buffer_dtypes=logical_dtypes(named_buffers(module)),
             run_state=_run_state(scheduler, state)))
     named = named_parameters(module)
     name_of = {id(p): n for n, p in named}
@@ -86,7 +90,8 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
     stage = 2 if _is_zero2(optimizer) else 1 if _is_zero1(optimizer) else 0
     params = {n: _numpy(p) for n, p in named}
     buffers = {n: _numpy(b) for n, b in named_buffers(module)}
-    extras = dict(metadata=metadata, buffers=buffers, run_state=run_state)
+    extras = dict(metadata=metadata, buffers=buffers, run_state=run_state,
+                  buffer_dtypes=logical_dtypes(named_buffers(module)))
     if not distributed:
         info = describe(counts, {s: set(v) for s, v in slots.items()}) if describe else None
         return save_arrays(path, params, world_size=world_size or 1, step=step, slots=_fill_slots(params, slots, info),
@@ -143,7 +148,7 @@ def _save_distributed(path, params, slots, counts, describe, complete, plan, ste
     tensors = rank_tensors(plan, world_size, rank, arrays=arrays)
     if not complete:
         tensors.update(_exchange_slots(path, plan, group, slots, owners))
-    buffer_meta, buffer_tensors = buffer_entries(extras["buffers"])
+    buffer_meta, buffer_tensors = buffer_entries(extras["buffers"], extras.get("buffer_dtypes"))
     # Every rank builds the same manifest body (the file list aside): its digest goes in each file.
     body = Manifest("torch", world_size, stage, int(step), plan, info, dtypes_of(plan, kinds),
                     (), dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])

@@ -39,13 +39,8 @@ def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def ddp_buckets(module: nn.Module) -> dict | None:
     """What a resume needs to reduce in the saving DDP's buckets: its rebuilt plan and layout
-    settings, for ``run_state``; None unless ``module`` is hybrid's DDP after its rebuild, or
-    carries the record of the checkpoint it was loaded from (``_carried``: until it rebuilds)."""
-    from hybrid.checkpoint.torch._carried import carried_ddp_buckets
+    settings, for ``run_state``; None unless ``module`` is hybrid's DDP after its rebuild."""
     from hybrid.torch import DistributedDataParallel
-    carried = carried_ddp_buckets(module)
-    if carried is not None:
-        return carried
     if not isinstance(module, DistributedDataParallel) or not getattr(module, "_has_rebuilt", False):
         return None
     return {"plan": module.bucket_plan.to_json(), "settings": dict(module._layout_settings)}
@@ -57,15 +52,13 @@ def _specs(named) -> list[TensorSpec]:
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    from hybrid.checkpoint.torch._dtypes import to_numpy
+    return to_numpy(t)
 
 
 def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if like.dtype == torch.bfloat16:
-        t = t.view(torch.int16).view(torch.bfloat16)
-    return t.to(device=like.device, dtype=like.dtype).reshape(like.shape)
+    from hybrid.checkpoint.torch._dtypes import from_numpy
+    return from_numpy(a, like.dtype).to(device=like.device).reshape(like.shape)
 
 
 # -- which optimizer holds which state --------------------------------------------------------------
@@ -177,6 +170,9 @@ def _slots_and_count(named, states: dict[int, dict[str, Any]]) -> tuple[dict[str
             if key == "step":
                 counts[name] = int(value.item() if torch.is_tensor(value) else value)
             elif torch.is_tensor(value) and value.shape == p.shape:
+                if value.dtype != p.dtype:  # a slot is cut by its parameter's bucket: refused before any write
+                    raise CheckpointError(f"the optimizer's {key!r} of {name!r} is {value.dtype}, its parameter "
+                                          f"{p.dtype}: hybrid checkpoints hold state in its parameter's dtype")
                 slots.setdefault(SLOT_OF_TORCH_KEY.get(key, key), {})[name] = _numpy(value)
     return slots, counts
 
@@ -204,7 +200,8 @@ def optimizer_info(name: str, expected: tuple[str, ...], hyperparameters: dict, 
 
 def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The module's persistent buffers (what ``state_dict()`` holds besides parameters), named as
-    in the bare model: BatchNorm's running statistics and ``num_batches_tracked``, ..."""
+    in the bare model: BatchNorm's running statistics and ``num_batches_tracked``, ...; outside
+    ZeRO3, also the parameters DDP does not reduce (frozen or ignored), which are replicated."""
     out, seen = [], set()
     for prefix, mod in _unwrap(module).named_modules():
         for name, buf in mod._buffers.items():
@@ -212,6 +209,14 @@ def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
                 continue
             seen.add(id(buf))
             out.append((f"{prefix}.{name}" if prefix else name, buf))
+    if not _is_zero3(module):
+        # Parameters DDP does not reduce (frozen: an int or float8 parameter, a frozen embedding;
+        # DDP's ignored ones) are in torch's state_dict too: kept, like buffers, from rank 0's copy.
+        reduced = {id(p) for _, p in named_parameters(module)}
+        for name, p in _unwrap(module).named_parameters():
+            if id(p) not in reduced and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p.detach()))
     return out
 
 

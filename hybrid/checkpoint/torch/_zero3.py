@@ -29,20 +29,17 @@ from hybrid.checkpoint._write import buffer_entries, dtypes_of
 
 
 def _numpy_slice(t: torch.Tensor, dtype: str) -> np.ndarray:
-    """A slice as stored: in its bucket's dtype (bfloat16 as its uint16 bits)."""
-    t = t.detach().to(getattr(torch, dtype)).cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
+    """A slice as stored: in its bucket's dtype (bfloat16, float8 as their bits: ``_dtypes``)."""
+    from hybrid.checkpoint.torch._dtypes import to_numpy
+    return to_numpy(t.detach().to(getattr(torch, dtype)))
 
 
-def _torch_slice(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``a`` as a torch tensor: a view of the read buffer where no conversion is needed (what stays
-    past the load is copied by the caller: a view would keep the whole buffer alive)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if a.dtype == np.uint16:
-        t = t.view(torch.int16).view(torch.bfloat16)
-    return t.to(device=device, dtype=dtype)
+def _torch_slice(a: np.ndarray, dtype: torch.dtype, device: torch.device, saved: str | None = None) -> torch.Tensor:
+    """``a`` (stored bits of ``saved``, default ``dtype``) as a torch tensor: a view of the read
+    buffer where no conversion is needed (what stays past the load is copied by the caller: a view
+    would keep the whole buffer alive)."""
+    from hybrid.checkpoint.torch._dtypes import from_numpy
+    return from_numpy(a, dtype, saved).to(device=device)
 
 
 def _group_state(optimizer) -> dict[int, tuple[int | None, list[str]]]:
@@ -99,7 +96,7 @@ def save_zero3(path: str | os.PathLike, model, optimizer, *, step: int, extras: 
                     slices[seg.bucket][seg.lo:seg.hi] = value
             tensors.update({f"{slot}/{b}": [_numpy_slice(s, dtypes[b])] for b, s in enumerate(slices)})
         kinds += list(info.slots)
-    buffer_meta, buffer_tensors = buffer_entries(extras["buffers"])
+    buffer_meta, buffer_tensors = buffer_entries(extras["buffers"], extras.get("buffer_dtypes"))
     # The save protocol of hybrid.checkpoint.torch.save's distributed path, with this rank's slices.
     body = Manifest("torch", world_size, 3, int(step), plan, info, dtypes_of(plan, kinds), (),
                     dict(extras["metadata"] or {}), buffer_meta, extras["run_state"])
@@ -186,6 +183,7 @@ def _optimizer_slices(ckpt: CheckpointReader, reshard, model, optimizer, hyperpa
         for slot in slots:
             for seg, master in wanted[slot]:
                 state[master][TORCH_KEY_OF_SLOT.get(slot, slot)] = optimizer._keep_state(
-                    _torch_slice(read[slot, model.rank][seg.bucket][seg.lo:seg.hi], torch.float32, master.device))
+                    _torch_slice(read[slot, model.rank][seg.bucket][seg.lo:seg.hi], torch.float32, master.device,
+                                 model.bucket_plan.buckets[seg.bucket].dtype))
         del read
     return state, groups
