@@ -51,6 +51,9 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("copy", ["torch_copy", "jax_copy"])
 def test_load_then_save_is_bitwise(runs, copy):
+    """The tensors, through another world size and stage (so other files: the bytes cannot match,
+    nor the run state, which this does not read). At the same world size the files themselves,
+    manifest and DDP record included: test_resume_buckets.py."""
     src, dst = Checkpoint(runs["dir"] / "torch2"), Checkpoint(runs["dir"] / copy)
     assert dst.manifest.world_size == (3 if copy == "torch_copy" else 4) and dst.manifest.step == SAVE
     assert dst.manifest.optimizer.count == src.manifest.optimizer.count == SAVE

@@ -8,7 +8,15 @@ from the uninterrupted run's (the issue measured 1.2e-7, 4.4e-5 on an attention 
 a GPT's resume at 4 processes; torch's own classes do the same). Restoring the saving DDP's
 rebuilt plan makes the first resumed step reduce in the same buckets. Oracle: the uninterrupted
 run in the same world; tolerance: none (bit for bit).
+
+A load followed at once by a save gives back the same bytes (docs/moving-runs.md), with either
+load: the fresh DDP has not rebuilt yet, and carries the checkpoint's record of the rebuilt plan
+into its save until it rebuilds its own.
 """
+
+import contextlib
+import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -31,7 +39,9 @@ def _final(ddp) -> dict:
 def _resumes(config, path, save_at, *, progress=None):
     """On every rank: the uninterrupted run (saving after ``save_at``), then two resumes from that
     checkpoint with a fresh DDP and optimizer, as a relaunched job builds them: torch's default,
-    and with the saved buckets restored."""
+    and with the saved buckets restored; each saves at once (``PATH.resaved.False`` / ``.True``)
+    before it trains on. Then a third resume, from the default load's resave, with the buckets
+    restored: the record went through that save."""
     from hybrid.checkpoint import torch as checkpoint
     from hybrid.demo import build_torch, initial_params, train_torch_steps
 
@@ -46,8 +56,13 @@ def _resumes(config, path, save_at, *, progress=None):
         ddp, opt = build_torch(config, start)
         checkpoint.load(path, ddp, opt, restore_buckets=restore)
         out[f"first_step_buckets/{restore}"] = ddp.bucket_plan.num_buckets
+        checkpoint.save(f"{path}.resaved.{restore}", ddp, opt, step=save_at)
         train_torch_steps(ddp, opt, config, save_at, config.num_steps)
         out[f"resumed/{restore}"] = _final(ddp)
+    ddp, opt = build_torch(config, start)
+    checkpoint.load(f"{path}.resaved.False", ddp, opt, restore_buckets=True)
+    train_torch_steps(ddp, opt, config, save_at, config.num_steps)
+    out["resumed/from the resave"] = _final(ddp)
     return out
 
 
@@ -67,6 +82,21 @@ def test_restored_buckets_resume_bit_for_bit_at_four_ranks(four_ranks):
     worst = max(diffs, key=diffs.get)
     print(f"\nat 4 ranks, the default resume ends {diffs[worst]:.2e} off the uninterrupted run ({worst}); "
           f"with restore_buckets=True 0 (bit for bit)")
+
+
+def test_a_load_then_a_save_gives_back_the_same_bytes(four_ranks):
+    """An outside user's check of docs/moving-runs.md (DDP + ZeRO-1, trained, saved; a fresh run
+    loads and saves at once): every file, manifest included, byte for byte the loaded one's, with
+    torch's default load and with restore_buckets=True; and the copy still resumes the run bit for
+    bit (its record of the rebuilt plan, which the fresh DDP had not made yet, went through)."""
+    out, path = four_ranks
+    for restore in (False, True):
+        copy = pathlib.Path(f"{path}.resaved.{restore}")
+        assert sorted(os.listdir(copy)) == sorted(os.listdir(path))
+        for name in os.listdir(path):
+            assert (copy / name).read_bytes() == (path / name).read_bytes(), (f"restore_buckets={restore}", name)
+    for name, want in out["uninterrupted"].items():
+        np.testing.assert_array_equal(out["resumed/from the resave"][name], want, err_msg=name)
 
 
 def test_the_checkpoint_tells_a_jax_run_torchs_own_ready_order(four_ranks):
@@ -90,15 +120,8 @@ def test_restore_buckets_is_refused_where_it_cannot_apply(tmp_path):
     checkpoint.save(tmp_path / "plain", model, step=1)
     with pytest.raises(TypeError, match="restores hybrid.torch.DistributedDataParallel's buckets; got a Linear"):
         checkpoint.load(tmp_path / "plain", torch.nn.Linear(3, 2), restore_buckets=True)
-    import datetime
-
-    import torch.distributed as dist
-
-    from hybrid.demo._world import free_port
     from hybrid.torch import DistributedDataParallel
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
+    with _one_rank():
         ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
         before = ddp.module.weight.detach().clone()
         with pytest.raises(CheckpointError, match="records no rebuilt DDP bucket plan"):
@@ -113,5 +136,67 @@ def test_restore_buckets_is_refused_where_it_cannot_apply(tmp_path):
         same = DistributedDataParallel(torch.nn.Linear(3, 2))
         checkpoint.load(tmp_path / "ddp", same, restore_buckets=True)
         assert same.bucket_plan == ddp.bucket_plan and same._has_rebuilt
+
+
+@contextlib.contextmanager
+def _one_rank():
+    """A gloo world of this process alone (a DDP needs a process group; nothing is sent)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hybrid.demo._world import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _files(path: pathlib.Path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+def test_a_loaded_run_carries_the_record_until_it_has_a_newer_one(tmp_path):
+    """The checkpoint's record of the rebuilt DDP plan goes into the saves of the module it was
+    loaded into (same bytes) until that DDP rebuilds (then its own plan: here another cap, so the
+    two differ), or for another module (a plain one) until its next load (a checkpoint with no
+    record: then none)."""
+    import torch
+
+    from hybrid.checkpoint import Checkpoint
+    from hybrid.checkpoint import torch as checkpoint
+    from hybrid.torch import DistributedDataParallel
+
+    def steps(ddp, n):
+        for _ in range(n):
+            ddp(torch.ones(2, 3)).sum().backward()
+
+    with _one_rank():
+        torch.manual_seed(0)
+        saving = DistributedDataParallel(torch.nn.Linear(3, 2))
+        steps(saving, 2)  # rebuilt at its second forward
+        checkpoint.save(tmp_path / "saved", saving, step=2)
+        record = Checkpoint(tmp_path / "saved").manifest.run_state["ddp_buckets"]
+        assert record["settings"]["bucket_cap_mb"] is None
+
+        fresh = DistributedDataParallel(torch.nn.Linear(3, 2), bucket_cap_mb=1)
+        checkpoint.load(tmp_path / "saved", fresh)
+        checkpoint.save(tmp_path / "resaved", fresh, step=2)
+        assert _files(tmp_path / "resaved") == _files(tmp_path / "saved")
+        steps(fresh, 1)  # one step: not rebuilt yet, still the loaded record
+        checkpoint.save(tmp_path / "stepped", fresh, step=3)
+        assert Checkpoint(tmp_path / "stepped").manifest.run_state["ddp_buckets"] == record
+        steps(fresh, 1)  # its rebuild: its own plan, made with its own cap, from here on
+        checkpoint.save(tmp_path / "rebuilt", fresh, step=4)
+        assert Checkpoint(tmp_path / "rebuilt").manifest.run_state["ddp_buckets"]["settings"]["bucket_cap_mb"] == 1
+
+        plain = torch.nn.Linear(3, 2)
+        checkpoint.load(tmp_path / "saved", plain)
+        checkpoint.save(tmp_path / "plain_resaved", plain, step=2)
+        assert _files(tmp_path / "plain_resaved") == _files(tmp_path / "saved")
+        checkpoint.save(tmp_path / "no_record", torch.nn.Linear(3, 2), step=0)
+        checkpoint.load(tmp_path / "no_record", plain)
+        checkpoint.save(tmp_path / "plain_again", plain, step=0)
+        assert "ddp_buckets" not in Checkpoint(tmp_path / "plain_again").manifest.run_state

@@ -177,6 +177,8 @@ def load(path, module: nn.Module, optimizer=None, *, scheduler=None, hyperparame
         scheduler.load_state_dict(ckpt.manifest.run_state["scheduler"])
     if plan is not None:
         module._restore_rebuilt_plan(plan)
+    from hybrid.checkpoint.torch._carried import carry_ddp_buckets  # a load then a save: the same bytes
+    carry_ddp_buckets(ckpt, module, _specs(named), restored=plan is not None)
     return ckpt.manifest.step
 
 

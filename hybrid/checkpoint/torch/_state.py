@@ -39,8 +39,13 @@ def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def ddp_buckets(module: nn.Module) -> dict | None:
     """What a resume needs to reduce in the saving DDP's buckets: its rebuilt plan and layout
-    settings, for ``run_state``; None unless ``module`` is hybrid's DDP after its rebuild."""
+    settings, for ``run_state``; None unless ``module`` is hybrid's DDP after its rebuild, or
+    carries the record of the checkpoint it was loaded from (``_carried``: until it rebuilds)."""
+    from hybrid.checkpoint.torch._carried import carried_ddp_buckets
     from hybrid.torch import DistributedDataParallel
+    carried = carried_ddp_buckets(module)
+    if carried is not None:
+        return carried
     if not isinstance(module, DistributedDataParallel) or not getattr(module, "_has_rebuilt", False):
         return None
     return {"plan": module.bucket_plan.to_json(), "settings": dict(module._layout_settings)}
