@@ -6,6 +6,7 @@ from hybrid.jax._clip import clip_by_global_norm
 from hybrid.jax._cost_probe import measure_collectives
 from hybrid.jax._finite import apply_if_finite
 from hybrid.jax._grad import local_grad
+from hybrid.jax._multi_steps import MultiSteps
 from hybrid.jax._ready import gradient_ready_order
 from hybrid.jax.sharded._init import abstract_shards, init_shards
 from hybrid.jax.sharded._offload import OffloadedZero3
@@ -16,7 +17,7 @@ from hybrid.jax.sharded._xla_flags import MEMORY_FIRST_XLA_CPU_FLAGS, use_memory
 from hybrid.jax.sharded._zero import NON_ELEMENTWISE, ZeroState, zero
 
 __all__ = [
-    "MEMORY_FIRST_XLA_CPU_FLAGS", "NON_ELEMENTWISE", "BucketedAllReduceState", "OffloadedZero3", "ParamShards", "ZeroState",
+    "MEMORY_FIRST_XLA_CPU_FLAGS", "MultiSteps", "NON_ELEMENTWISE", "BucketedAllReduceState", "OffloadedZero3", "ParamShards", "ZeroState",
     "abstract_shards", "apply_if_finite", "auto_bucket_plan", "bucketed_all_reduce", "clip_by_global_norm", "gather_params", "gathered",
     "gradient_ready_order", "init_shards", "key_path_name", "local_grad", "measure_collectives", "shard_params", "specs",
     "state_specs", "unshard_params", "use_memory_first_xla_cpu", "zero",

@@ -43,12 +43,51 @@ def state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_siz
     # output: ndim beyond it tells arrays from scalars.
     shapes = jax.eval_shape(jax.vmap(tx.init, in_axes=None, axis_size=axis_size, axis_name=axis_name), params)
 
+    return _specs_of(shapes, axis_name)
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, (*_PER_DEVICE, optax.MultiStepsState))
+
+
+def _per_device(tree, axis_name):
+    return jax.tree_util.tree_map(lambda s: PartitionSpec(axis_name) if s.ndim > 1 else PartitionSpec(), tree)
+
+
+def _specs_of(shapes, axis_name):
+    """Specs of a state's shapes (a leading axis of the axis size on every leaf)."""
     def spec(node):
         if isinstance(node, _PER_DEVICE):
-            return jax.tree_util.tree_map(lambda s: PartitionSpec(axis_name) if s.ndim > 1 else PartitionSpec(), node)
+            return _per_device(node, axis_name)
+        if isinstance(node, optax.MultiStepsState):
+            inner = _specs_of(node.inner_opt_state, axis_name)
+            # MultiSteps around zero or bucketed_all_reduce accumulates this device's own
+            # gradients (they reduce them): per device. Around a plain transform the gradients
+            # it is given were reduced already, so its accumulator is the same on every device.
+            reduces = any(isinstance(x, _PER_DEVICE) for x in jax.tree_util.tree_leaves(
+                node.inner_opt_state, is_leaf=lambda x: isinstance(x, _PER_DEVICE)))
+            if reduces:
+                _check_accumulable(node.acc_grads)
+            acc = _per_device(node.acc_grads, axis_name) if reduces else _replicated(node.acc_grads)
+            return node._replace(inner_opt_state=inner, acc_grads=acc, mini_step=PartitionSpec(),
+                                 gradient_step=PartitionSpec(), skip_state=_replicated(node.skip_state))
         return PartitionSpec()
 
-    return jax.tree_util.tree_map(spec, shapes, is_leaf=lambda x: isinstance(x, _PER_DEVICE))
+    return jax.tree_util.tree_map(spec, shapes, is_leaf=_is_node)
+
+
+def _replicated(tree):
+    return jax.tree_util.tree_map(lambda s: PartitionSpec(), tree)
+
+
+def _check_accumulable(acc_grads) -> None:
+    """A per-device accumulator is concatenated over the devices on its first dimension outside
+    ``shard_map``; a scalar parameter's has none."""
+    for path, s in jax.tree_util.tree_flatten_with_path(acc_grads)[0]:
+        if s.ndim < 2:
+            raise ValueError(f"state_specs: MultiSteps accumulates this device's own gradient of the scalar "
+                             f"parameter {jax.tree_util.keystr(path)}, which has no dimension to hold one per "
+                             f"device outside shard_map; give it shape (1,)")
 
 
 def _one_device(shards: ParamShards, axis_size: int) -> ParamShards:

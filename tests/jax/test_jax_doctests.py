@@ -7,7 +7,7 @@ import pytest
 
 
 @pytest.mark.parametrize("name", ["hybrid.jax._all_reduce", "hybrid.jax._clip", "hybrid.jax._elementwise",
-                                  "hybrid.jax._finite", "hybrid.jax._grad",
+                                  "hybrid.jax._finite", "hybrid.jax._grad", "hybrid.jax._multi_steps",
                                   "hybrid.jax._specs", "hybrid.jax._state_specs",
                                   "hybrid.jax.sharded._zero", "hybrid.jax._cost_probe", "hybrid.jax._ready",
                                   "hybrid.jax.sharded._params", "hybrid.jax.sharded._init", "hybrid.jax._auto",
