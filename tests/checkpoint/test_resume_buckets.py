@@ -15,6 +15,7 @@ into its save until it rebuilds its own.
 """
 
 import contextlib
+import dataclasses
 import os
 import pathlib
 
@@ -41,7 +42,8 @@ def _resumes(config, path, save_at, *, progress=None):
     checkpoint with a fresh DDP and optimizer, as a relaunched job builds them: torch's default,
     and with the saved buckets restored; each saves at once (``PATH.resaved.False`` / ``.True``)
     before it trains on. Then a third resume, from the default load's resave, with the buckets
-    restored: the record went through that save."""
+    restored: the record went through that save. Last, ZeRO2 (on the DDP) and ZeRO3 runs saved
+    at ``save_at`` (``PATH.stageN``) and resaved at once by a fresh run (``PATH.stageN.resaved``)."""
     from hybrid.checkpoint import torch as checkpoint
     from hybrid.demo import build_torch, initial_params, train_torch_steps
 
@@ -63,6 +65,14 @@ def _resumes(config, path, save_at, *, progress=None):
     checkpoint.load(f"{path}.resaved.False", ddp, opt, restore_buckets=True)
     train_torch_steps(ddp, opt, config, save_at, config.num_steps)
     out["resumed/from the resave"] = _final(ddp)
+    for stage in (2, 3):
+        staged = dataclasses.replace(config, stage=stage)
+        model, opt = build_torch(staged, start)
+        train_torch_steps(model, opt, staged, 0, save_at)
+        checkpoint.save(f"{path}.stage{stage}", model, opt, step=save_at)
+        model, opt = build_torch(staged, start)
+        checkpoint.load(f"{path}.stage{stage}", model, opt)
+        checkpoint.save(f"{path}.stage{stage}.resaved", model, opt, step=save_at)
     return out
 
 
@@ -91,12 +101,19 @@ def test_a_load_then_a_save_gives_back_the_same_bytes(four_ranks):
     bit (its record of the rebuilt plan, which the fresh DDP had not made yet, went through)."""
     out, path = four_ranks
     for restore in (False, True):
-        copy = pathlib.Path(f"{path}.resaved.{restore}")
-        assert sorted(os.listdir(copy)) == sorted(os.listdir(path))
-        for name in os.listdir(path):
-            assert (copy / name).read_bytes() == (path / name).read_bytes(), (f"restore_buckets={restore}", name)
+        assert _files(pathlib.Path(f"{path}.resaved.{restore}")) == _files(path), f"restore_buckets={restore}"
     for name, want in out["uninterrupted"].items():
         np.testing.assert_array_equal(out["resumed/from the resave"][name], want, err_msg=name)
+
+
+def test_zero2_and_zero3_runs_load_then_save_the_same_bytes(four_ranks):
+    """The same claim for ZeRO2 (its DDP drops the record as ZeRO-1's did) and ZeRO3 (no DDP)."""
+    _, path = four_ranks
+    for stage in (2, 3):
+        saved = pathlib.Path(f"{path}.stage{stage}")
+        assert _files(pathlib.Path(f"{saved}.resaved")) == _files(saved), f"stage {stage}"
+    from hybrid.checkpoint import Checkpoint
+    assert "ddp_buckets" in Checkpoint(f"{path}.stage2").manifest.run_state  # the record ZeRO2's resave carried
 
 
 def test_the_checkpoint_tells_a_jax_run_torchs_own_ready_order(four_ranks):
