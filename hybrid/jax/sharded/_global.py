@@ -10,6 +10,7 @@ Moving between the two is a ``with_sharding_constraint``; XLA's partitioner inse
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hybrid.core import bucket_pieces, forward_order, pack
@@ -25,17 +26,51 @@ def check_mesh(mesh, axis_name, what: str) -> int:
     return mesh.shape[axis_name]
 
 
-def global_buckets(layout, shards, tree, sharding, replicated=None) -> tuple:
-    """The tree's padded flat buckets (``hybrid.core.pack``), each constrained to ``sharding``; the
-    leaves first to ``replicated`` where given (a gradient leaf is reduced as a leaf, then packed:
-    without it XLA:CPU's partitioner resharded every leaf to build the sharded concatenate, one
-    all-gather per leaf)."""
+def global_buckets(layout, shards, tree, sharding) -> tuple:
+    """The tree's padded flat buckets (``hybrid.core.pack``), each constrained to ``sharding``."""
     arrays = layout.spec_arrays(tree)
-    if replicated is not None:
-        arrays = [jax.lax.with_sharding_constraint(a, replicated) for a in arrays]
     return tuple(jax.lax.with_sharding_constraint(pack(layout.plan, b, arrays, length=shards.padded_length(b)),
                                                   sharding)
                  for b in range(layout.plan.num_buckets))
+
+
+def local_buckets(layout, shards, tree, mesh, axis_name: str) -> tuple:
+    """The tree's buckets sharded ``P(axis_name)`` (global arrays), each device copying only its own
+    slice: a ``lax.switch`` on its index along the axis picks the branch whose static slices of the
+    members make that device's slice (``FlatShardPlan.shard_range`` over
+    ``hybrid.core.bucket_pieces``). Packing the whole bucket and constraining it to ``P(axis)``
+    gives the same values, but XLA:CPU materialises the whole bucket on every device for it.
+    The tree's leaves must be the same on every device (replicated: params, reduced gradients)."""
+    plan = layout.plan
+    arrays = layout.spec_arrays(tree)
+
+    def branch(b, rank):
+        """Rank ``rank``'s slice of bucket ``b`` from its members: static slices and zero gaps."""
+        start, stop = shards.shard_range(b, rank)
+        pieces, at = [], 0
+        for m, k in bucket_pieces(plan, b, length=shards.padded_length(b)):
+            lo, hi = max(at, start) - at, min(at + k, stop) - at
+            if lo < hi:
+                pieces.append((m, lo, hi))
+            at += k
+        dtype = plan.buckets[b].dtype
+        return lambda members: jnp.concatenate([jnp.zeros((hi - lo,), dtype) if m is None else
+                                                members[m].reshape(-1)[lo:hi] for m, lo, hi in pieces])
+
+    def run(*flat):
+        it = iter(flat)
+        rank = jax.lax.axis_index(axis_name)
+        out = []
+        for b in range(plan.num_buckets):
+            members = {m: next(it) for m in plan.buckets[b].members}
+            if shards.shard_sizes[b] == 0:
+                out.append(jnp.zeros((0,), plan.buckets[b].dtype))
+                continue
+            out.append(jax.lax.switch(rank, [branch(b, r) for r in range(shards.world_size)], members))
+        return tuple(out)
+
+    flat_members = [arrays[m] for bucket in plan.buckets for m in bucket.members]
+    return jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P(axis_name), check_vma=False)(*flat_members)
 
 
 def mesh_of(shards):
@@ -72,3 +107,35 @@ def gather_global(shards, mesh):
             if m is not None:
                 per_spec[m] = part.reshape(plan.specs[m].shape)
     return lay.layout.unflatten(per_spec)
+
+
+def per_device_mean(fun, args, kwargs, argnums: int, mesh, axis_name: str):
+    """``fun(*args)`` for global ParamShards at ``argnums`` under a plain jit, run per device inside
+    ``shard_map``: the shards ``P(axis)`` (each device its slices, gathered inside ``fun``), every
+    other array argument split over the axis on its first dimension (the batch), scalars
+    replicated; the outputs averaged over the axis (``pmean``). For a loss that is a mean over
+    the batch, the mean of the devices' means over equal parts is the loss of the whole batch, and
+    ``jax.grad``'s transpose of the gathers is one reduce-scatter per bucket (XLA:CPU turns a
+    ``P()`` constraint's transpose into an all-reduce of the whole gradient and a slice)."""
+    if kwargs:
+        raise TypeError(f"gathered: under a plain jit on global ParamShards pass the batch positionally "
+                        f"(got keyword arguments {sorted(kwargs)}): every positional array is split over "
+                        f"{axis_name!r} on its first dimension")
+    n = mesh.shape[axis_name]
+
+    def spec(i, path, x):
+        if getattr(x, "ndim", 0) == 0:
+            return P()
+        if x.shape[0] % n:
+            raise ValueError(f"gathered: argument {i}{jax.tree_util.keystr(path)} has {x.shape[0]} rows, not a "
+                             f"multiple of the {n} devices over {axis_name!r}: under a plain jit every array "
+                             f"argument besides the shards is the batch, split over the axis on its first dimension")
+        return P(axis_name)
+
+    specs = tuple(P(axis_name) if i == argnums else jax.tree_util.tree_map_with_path(
+        lambda path, x, i=i: spec(i, path, x), a) for i, a in enumerate(args))
+
+    def local(*a):
+        return jax.tree.map(lambda v: jax.lax.pmean(v, axis_name), fun(*a))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())(*args)

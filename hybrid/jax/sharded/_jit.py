@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from hybrid.core import unpack
 from hybrid.jax._elementwise import GLOBAL_DECISIONS, non_elementwise, optax_names
 from hybrid.jax._specs import _Layout, check_caps
-from hybrid.jax.sharded._global import check_mesh, global_buckets
+from hybrid.jax.sharded._global import check_mesh, global_buckets, local_buckets
 from hybrid.jax.sharded._axis_aware import axis_aware
 from hybrid.jax.sharded._params import ParamShards
 from hybrid.jax.sharded._slices import ZeroState, check_inner, check_plan, on_slices, shard_key
@@ -98,13 +98,13 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
         layout = layout_of(updates, "zero.update")
         shards = layout.shards(n)
         check_plan(state, shards)
-        grads = global_buckets(layout, shards, updates, sharded, replicated)
+        grads = local_buckets(layout, shards, updates, mesh, axis_name)  # XLA reduces the leaves first
         param_flats = None
         if params is not None:
             param_layout = layout_of(params, "zero.update params")
             if param_layout.plan != layout.plan:
                 raise ValueError("zero.update: params and updates must be trees of the same names, shapes and dtypes")
-            param_flats = global_buckets(param_layout, shards, params, sharded)
+            param_flats = local_buckets(param_layout, shards, params, mesh, axis_name)
         new, inner_state = flat_inner(updates, layout, shards, None).update(grads, state.inner, param_flats)
         out = {}
         for b, flat in enumerate(new):

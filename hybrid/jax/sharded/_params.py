@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hybrid.core import BucketPlan, FlatShardPlan, ParamPairing, bucket_pieces, forward_order, unpack
 from hybrid.jax._copy import check_backend, pack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps
-from hybrid.jax.sharded._global import check_mesh, gather_global, global_buckets, mesh_of
+from hybrid.jax.sharded._global import check_mesh, gather_global, global_buckets, mesh_of, per_device_mean
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -233,7 +233,19 @@ def gathered(fun, *, argnums: int = 0, reshard_after_forward: bool = True):
         args[argnums] = gather_params(args[argnums])
         return fun(*args, **kwargs)
 
-    return jax.checkpoint(on_shards, policy=regather_policy) if reshard_after_forward else on_shards
+    local = jax.checkpoint(on_shards, policy=regather_policy) if reshard_after_forward else on_shards
+
+    @functools.wraps(fun)
+    def loss_of_shards(*args, **kwargs):
+        shards = args[argnums] if -len(args) <= argnums < len(args) else None
+        mesh = mesh_of(shards) if isinstance(shards, ParamShards) else None
+        if mesh is None:  # inside shard_map / pmap: this device's slices
+            return local(*args, **kwargs)
+        # global shards under a plain jit: per device inside shard_map, so that jax.grad's
+        # transpose of the gathers is a reduce-scatter (hybrid.jax.sharded._global)
+        return per_device_mean(local, args, kwargs, argnums % len(args), mesh, shards.layout.axis_name)
+
+    return loss_of_shards
 
 
 def unshard_params(shards: ParamShards):
