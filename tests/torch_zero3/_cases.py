@@ -347,3 +347,7 @@ CASES.update(_cases_anywhere.CASES)
 from tests.torch_zero3 import _cases_offload  # noqa: E402 - merged, as _cases_anywhere
 
 CASES.update(_cases_offload.CASES)
+
+from tests.torch_zero3 import _cases_init  # noqa: E402 - merged, as _cases_anywhere
+
+CASES.update(_cases_init.CASES)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hybrid.torch.zero._parts
+import hybrid.torch.zero.zero3._init_whole
 import hybrid.torch.zero.zero3._model
 import hybrid.torch.zero.zero3._offload
 import hybrid.torch.zero.zero3._optim
@@ -23,7 +24,7 @@ from tests.torch_zero2.test_zero2_local import world_of_one  # noqa: F401 - a fi
 
 @pytest.mark.parametrize("module", [hybrid.torch.zero.zero3._model, hybrid.torch.zero.zero3._optim,
                                     hybrid.torch.zero.zero3._offload, hybrid.torch.zero.zero3._shards,
-                                    hybrid.torch.zero._parts])
+                                    hybrid.torch.zero._parts, hybrid.torch.zero.zero3._init_whole])
 def test_module_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
