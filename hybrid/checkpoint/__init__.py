@@ -8,7 +8,9 @@ the parameters and each optimizer slot, with a checksum of every MiB of it in it
 ``hybrid.checkpoint.jax`` (imported explicitly, like the frontends). They also read torch DCP
 (``hybrid.checkpoint.dcp``: FSDP2, torchtitan) and orbax (``hybrid.checkpoint.orbax``: flax)
 checkpoints, recognised by :func:`open_checkpoint`, and :func:`convert` writes any of the three
-from any other. See docs/checkpoints.md.
+from any other. Each format is a plug-in (``_plugin.CheckpointFormat``: recognise, open, write)
+found by name in the registry of ``_formats.py``, imported when first needed: reading hybrid's own
+format imports neither torch nor JAX, and a DCP checkpoint never imports JAX. See docs/checkpoints.md.
 """
 
 from hybrid.checkpoint._convert import convert

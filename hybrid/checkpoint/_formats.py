@@ -1,27 +1,66 @@
-"""Which tool wrote a checkpoint directory, and the reader for it.
+"""Which tool wrote a checkpoint directory, and the reader for it: the registry of formats.
 
 Every loader (``hybrid.checkpoint.torch.load``, ``hybrid.checkpoint.jax.load``, ``convert``)
 opens its checkpoint through :func:`open_checkpoint`, so each reads hybrid's own directories,
 torch DCP's and orbax's alike; ``format=`` insists on one.
+
+A format is registered by name and the module holding its :class:`CheckpointFormat` (``FORMAT``),
+imported the first time the format is asked for: recognising a hybrid directory imports no
+other format, and a DCP directory neither JAX nor orbax. A new format is a folder with its
+reader, writer and ``FORMAT``, and one line below. Formats never import this module back.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-import pathlib
 
-from hybrid.checkpoint._manifest import MANIFEST, CheckpointError
-from hybrid.checkpoint._protocol import previous, resolve
+from hybrid.checkpoint._manifest import CheckpointError
+from hybrid.checkpoint._plugin import CheckpointFormat
+from hybrid.checkpoint._protocol import resolve
 from hybrid.checkpoint._reader import CheckpointReader
 
-FORMATS = ("hybrid", "dcp", "orbax")
-_ORBAX_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt")
+_MODULES: dict[str, str] = {}  # name -> the module defining its FORMAT, in the order detection asks
+_LOADED: dict[str, CheckpointFormat] = {}
 
 
-def _orbax_steps(path: pathlib.Path) -> bool:
-    """Whether ``path`` is an orbax CheckpointManager's directory: step directories of checkpoints."""
-    return any(p.name.isdigit() and p.is_dir() and any((p / m).exists() for m in _ORBAX_MARKERS)
-               for p in path.iterdir())
+def register(name: str, module: str) -> None:
+    """Make the format ``FORMAT`` of ``module`` (imported on first use) known as ``name``."""
+    if name in _MODULES and _MODULES[name] != module:
+        raise ValueError(f"checkpoint format {name!r} is already registered by {_MODULES[name]}")
+    _MODULES[name] = module
+
+
+register("hybrid", "hybrid.checkpoint._hybrid_format")
+register("dcp", "hybrid.checkpoint.dcp._format")
+register("orbax", "hybrid.checkpoint.orbax._format")
+
+FORMATS = tuple(_MODULES)  # hybrid's own formats; registered(): these and any registered since
+
+
+def registered() -> tuple[str, ...]:
+    """The names of the registered formats, in the order detection asks them.
+
+    >>> registered()[:3]
+    ('hybrid', 'dcp', 'orbax')
+    """
+    return tuple(_MODULES)
+
+
+def format_named(name: str) -> CheckpointFormat:
+    """The registered format ``name`` (its module imported now if it was not yet).
+
+    >>> format_named("dcp").signature
+    '.metadata (torch DCP)'
+    """
+    if name not in _MODULES:
+        raise ValueError(f"format={name!r}; hybrid reads and writes {list(registered())}")
+    if name not in _LOADED:
+        fmt = importlib.import_module(_MODULES[name]).FORMAT
+        if fmt.name != name:
+            raise ValueError(f"{_MODULES[name]}.FORMAT is named {fmt.name!r}, registered as {name!r}")
+        _LOADED[name] = fmt
+    return _LOADED[name]
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -33,19 +72,14 @@ def detect_format(path: str | os.PathLike) -> str:
     >>> detect_format(d)
     'hybrid'
     """
-    target = resolve(path)
-    if (target / MANIFEST).exists() or (previous(path) / MANIFEST).exists():
-        return "hybrid"
-    if not target.is_dir():
+    for name in registered():  # hybrid's own first: a save in progress has no directory at path yet
+        if format_named(name).detect(path):
+            return name
+    if not resolve(path).is_dir():
         raise CheckpointError(f"{path}: no checkpoint directory there")
-    if any(target.glob("rank-*.safetensors")):  # hybrid's files without a manifest: its reader says why
-        return "hybrid"
-    if (target / ".metadata").exists():
-        return "dcp"
-    if any((target / m).exists() for m in _ORBAX_MARKERS) or _orbax_steps(target):
-        return "orbax"
-    raise CheckpointError(f"{path}: not a checkpoint hybrid reads: no manifest.json (hybrid), .metadata (torch DCP) "
-                          f"or _METADATA / _CHECKPOINT_METADATA (orbax)")
+    signatures = [format_named(name).signature for name in registered()]
+    raise CheckpointError(f"{path}: not a checkpoint hybrid reads: no {', '.join(signatures[:-1])} "
+                          f"or {signatures[-1]}")
 
 
 def open_checkpoint(path, *, format: str | None = None, step: int | None = None, param_names=None,
@@ -71,19 +105,9 @@ def open_checkpoint(path, *, format: str | None = None, step: int | None = None,
         if format not in (None, path.format):
             raise CheckpointError(f"{path.path}: is a {path.format} checkpoint, format={format!r} was asked for")
         return path
-    if format is not None and format not in FORMATS:
-        raise ValueError(f"format={format!r}; hybrid reads {list(FORMATS)}")
+    if format is not None and format not in _MODULES:
+        raise ValueError(f"format={format!r}; hybrid reads {list(registered())}")
     found = detect_format(path)
     if format is not None and found != format:
         raise CheckpointError(f"{path}: holds a {found} checkpoint, format={format!r} was asked for")
-    if found == "hybrid":
-        if step is not None or options:
-            raise ValueError(f"open_checkpoint: {sorted(['step'] * (step is not None) + list(options))} are for "
-                             f"foreign checkpoints; {path} is hybrid's own")
-        from hybrid.checkpoint._files import Checkpoint
-        return Checkpoint(path)
-    if found == "dcp":
-        from hybrid.checkpoint.dcp import DcpCheckpoint
-        return DcpCheckpoint(path, step=step, param_names=param_names, **options)
-    from hybrid.checkpoint.orbax import OrbaxCheckpoint
-    return OrbaxCheckpoint(path, step=step, **options)
+    return format_named(found).open(path, step=step, param_names=param_names, **options)

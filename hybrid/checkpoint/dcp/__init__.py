@@ -6,9 +6,28 @@ optimizer)`` as hybrid reads its own checkpoints (every loader takes it, or reco
 directory: ``hybrid.checkpoint.torch.load(path, ...)``); :func:`write_dcp` writes a checkpoint
 that torch's own ``dcp.load`` and ``set_state_dict`` read into an FSDP2 (or any) model and
 optimizer. See docs/checkpoints.md, "Other tools' checkpoints".
+
+The format's plug-in (``_format.py``: recognising, opening, writing) is what the registry of
+``hybrid.checkpoint`` imports; the names below are imported on first use (PEP 562), so
+recognising a directory imports no torch.
 """
 
-from hybrid.checkpoint.dcp._reader import DcpCheckpoint
-from hybrid.checkpoint.dcp._writer import write_dcp
+import importlib
+
+_WHERE = {
+    "DcpCheckpoint": "hybrid.checkpoint.dcp._reader",
+    "write_dcp": "hybrid.checkpoint._convert",  # any checkpoint, opened through the registry, written here
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'hybrid.checkpoint.dcp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
+
 
 __all__ = ["DcpCheckpoint", "write_dcp"]

@@ -25,7 +25,6 @@ import os
 import numpy as np
 import torch
 
-from hybrid.checkpoint._formats import open_checkpoint
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint.torch._state import TORCH_KEY_OF_SLOT
 
@@ -67,10 +66,10 @@ def torch_param_groups(info: OptimizerInfo, names: list[str], given=None, *, whe
     return out
 
 
-def dcp_state_dict(checkpoint, *, model_key: str = "model", optim_key: str = "optim", param_groups=None) -> dict:
-    """The state dict :func:`write_dcp` saves (whole tensors): ``{model_key: model_sd, optim_key:
-    optim_sd, "step": step}`` as ``get_state_dict`` gives them. Everything is checked first."""
-    ckpt = open_checkpoint(checkpoint)
+def dcp_state_dict(ckpt, *, model_key: str = "model", optim_key: str = "optim", param_groups=None) -> dict:
+    """The state dict a DCP write saves (whole tensors) from the opened checkpoint ``ckpt``:
+    ``{model_key: model_sd, optim_key: optim_sd, "step": step}`` as ``get_state_dict`` gives
+    them. Everything is checked first."""
     m, where = ckpt.manifest, str(ckpt.path)
     names = [s.name for s in m.plan.specs]
     info = m.optimizer
@@ -92,37 +91,6 @@ def dcp_state_dict(checkpoint, *, model_key: str = "model", optim_key: str = "op
             state[n] = st
         out[optim_key] = {"state": state, "param_groups": groups}
     return out
-
-
-def write_dcp(checkpoint, path: str | os.PathLike, *, model_key: str = "model", optim_key: str = "optim",
-              param_groups=None) -> None:
-    """Write ``checkpoint`` (a path or an opened checkpoint, under torch's names) as a torch DCP
-    directory at ``path`` with torch's own ``dcp.save`` (one process: whole tensors, which
-    ``dcp.load`` reshards onto any FSDP2 mesh). ``path`` must not exist; use
-    ``hybrid.checkpoint.convert`` for a write that leaves nothing there unless it completes.
-
-    Args:
-      model_key, optim_key: the keys of the model's and the optimizer's state dicts.
-      param_groups: torch's group dicts (parameters by name), for a checkpoint that records none.
-
-    >>> import os, tempfile, torch, torch.distributed.checkpoint as dcp
-    >>> from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    >>> from hybrid.checkpoint import torch as ckpt
-    >>> model = torch.nn.Linear(3, 2); opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    >>> model(torch.ones(1, 3)).sum().backward(); opt.step()
-    >>> root = tempfile.mkdtemp(); _ = ckpt.save(os.path.join(root, "h"), model, opt, step=1)
-    >>> write_dcp(os.path.join(root, "h"), os.path.join(root, "dcp"))
-    >>> fresh = torch.nn.Linear(3, 2); fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    >>> model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
-    >>> state = {"model": model_sd, "optim": optim_sd}
-    >>> dcp.load(state, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
-    >>> _ = set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    >>> torch.equal(fresh.weight, model.weight), fresh_opt.param_groups[0]["lr"]
-    (True, 0.1)
-    """
-    if os.path.lexists(path):
-        raise FileExistsError(f"write_dcp: {path} exists; DCP writes into a directory in place")
-    save_here(dcp_state_dict(checkpoint, model_key=model_key, optim_key=optim_key, param_groups=param_groups), path)
 
 
 def save_here(state: dict, path: str | os.PathLike) -> None:
