@@ -14,6 +14,9 @@ the end the ratio table of both (``hybrid.bench._stats``):
    unpacks the buckets without reducing them (what the copies alone cost).
 2. ZeRO stages 1, 2 and 3 against unsharded adam on a 4.2M-parameter MLP, and the bytes a
    device holds between steps (stage 3: its parameter slices too, gathered inside the loss).
+3. ZeRO inside a plain ``jax.jit`` (``zero(..., mesh=mesh)``, stages 1-3) and the ``shard_map``
+   path against GSPMD's own ZeRO-1 and FSDP and the replicated step, on 8 x Linear(512) with
+   AdamW: times, compiled temporaries, bytes held, collectives (``hybrid.bench.jax._jit``).
 
 The optimized HLO of the SGD steps is summarised too (collectives after XLA's all-reduce
 combiner, concatenates, in-place updates): on host devices the per-leaf psums are merged into one
@@ -32,7 +35,7 @@ import re
 import sys
 
 from hybrid.bench import gpt
-from hybrid.bench.jax import _steps
+from hybrid.bench.jax import _jit, _steps
 from hybrid.bench.jax._steps import bytes_per_device, pmean_tree, print_times, run_interleaved
 from hybrid.bench._stats import Ratio, ratio_table
 
@@ -94,6 +97,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--zero-reps", type=int, default=7)
     parser.add_argument("--zero-steps", type=int, default=3)
     parser.add_argument("--skip-zero", action="store_true", help="only the SGD measurement")
+    parser.add_argument("--jit-width", type=int, default=512, help="[3] ZeRO in a plain jit: layer width")
+    parser.add_argument("--jit-depth", type=int, default=8, help="[3]: layers")
+    parser.add_argument("--jit-batch", type=int, default=64, help="[3]: global batch")
+    parser.add_argument("--jit-reps", type=int, default=7, help="[3]: interleaved repetitions")
+    parser.add_argument("--jit-steps", type=int, default=3, help="[3]: steps timed per repetition")
+    parser.add_argument("--skip-jit", action="store_true", help="without [3]")
+    parser.add_argument("--jit-only", action="store_true", help="only [3]: ZeRO in a plain jit against GSPMD's own")
     gpt.add_arguments(parser, batch=False)
     parser.add_argument("--copy-backend", choices=("auto", "cuda", "reference"), default=None,
                         help="with --device: zero's bucket copies (default: $HYBRID_KERNELS, else auto)")
@@ -112,6 +122,7 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.width, args.depth, args.batch, args.reps, args.steps = 256, 4, 64, 3, 2
         args.zero_width, args.zero_depth, args.zero_reps, args.zero_steps = 128, 4, 3, 2
+        args.jit_width, args.jit_depth, args.jit_reps, args.jit_steps = 128, 4, 3, 2
 
     import jax
     import jax.numpy as jnp
@@ -128,6 +139,15 @@ def main(argv: list[str]) -> int:
               f"XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax is imported", file=sys.stderr)
         return 1
     mesh = Mesh(np.array(devices[:4]), ("dp",))
+
+    def with_jit(groups):  # [3] ZeRO inside a plain jit against GSPMD's own ZeRO-1 and FSDP
+        if not args.skip_jit:
+            groups.update(_jit.run(args.jit_width, args.jit_depth, args.jit_batch, args.jit_reps, args.jit_steps, mesh))
+        return groups
+
+    if args.jit_only:
+        print("\n" + ratio_table(with_jit({})))
+        return 0
 
     def pack_only():  # bucketed_all_reduce without its collective: what packing alone costs
         from hybrid.core import pack, unpack
@@ -184,7 +204,7 @@ def main(argv: list[str]) -> int:
     del steps, states
 
     if args.skip_zero:
-        print("\n" + ratio_table(groups))
+        print("\n" + ratio_table(with_jit(groups)))
         return 0
     # 2. ZeRO vs unsharded adam
     params, x = _model(args.zero_width, args.zero_depth), batch(args.zero_batch, args.zero_width)
@@ -215,5 +235,5 @@ def main(argv: list[str]) -> int:
     for name in ("zero2_adam", "zero3_adam"):
         print(f"  params + state bytes/device {name}: {held[name]} / unsharded {held['unsharded_adam']} = "
               f"{held[name] / held['unsharded_adam']:.4f}")
-    print("\n" + ratio_table(groups))
+    print("\n" + ratio_table(with_jit(groups)))
     return 0
