@@ -7,7 +7,6 @@ A load reads files only (no communication): call it on every rank.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -17,11 +16,10 @@ from hybrid.checkpoint._formats import open_checkpoint
 from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.core import BucketPlan
 from hybrid.checkpoint._manifest import DDP_PLAN_KEY, CheckpointError, OptimizerInfo
+from hybrid.checkpoint.torch._groups import hyperparameters_of, saved_groups
 from hybrid.checkpoint.torch._state import (
-    TORCH_KEY_OF_SLOT, _group_sizes, _inner, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap,
-    expected_slots, kept_states, named_buffers, named_parameters, param_names_by_group)
-
-_NOT_HYPERPARAMETERS = ("params", "param_names", "not_saved")
+    TORCH_KEY_OF_SLOT, _group_sizes, _is_zero3, _params_in_state_order, _specs, _torch, _unwrap, kept_states,
+    named_buffers, named_parameters)
 
 
 def state_dicts(path: str | os.PathLike, *, format: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -56,14 +54,10 @@ def state_dicts(path: str | os.PathLike, *, format: str | None = None) -> tuple[
         if len(saved) != 1:
             raise CheckpointError(f"{ckpt.path}: saved with {len(saved)} parameter groups but without their "
                                   "parameters' names (an older hybrid); load with load() into your optimizer")
-        groups = [{**_hyper(saved[0]), "params": list(range(len(specs)))}]
+        groups = [{**hyperparameters_of(saved[0]), "params": list(range(len(specs)))}]
     else:
-        groups = [{**_hyper(g), "params": [index[n] for n in g["param_names"]]} for g in saved]
+        groups = [{**hyperparameters_of(g), "params": [index[n] for n in g["param_names"]]} for g in saved]
     return model, {"state": state, "param_groups": groups}
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
 
 
 def torch_states(ckpt: CheckpointReader, info: OptimizerInfo, likes: list[torch.Tensor],
@@ -226,54 +220,6 @@ def saved_ddp_plan(ckpt: CheckpointReader, module: nn.Module) -> BucketPlan:
         raise CheckpointError(f"{ckpt.path}: its DDP bucket plan is over other tensors than this DDP's (another "
                               f"model, or parameters renamed or re-typed)")
     return plan
-
-
-def _restored_groups(ckpt: CheckpointReader, optimizer, group_names: list[list[str]]) -> list[dict]:
-    """The receiving optimizer's groups with the saved hyperparameters of the group holding the
-    same parameters (torch restores every key but ``params``)."""
-    own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    saved = ckpt.manifest.optimizer.hyperparameters.get("param_groups") or []
-    if not saved:
-        return own
-    if not all("param_names" in g for g in saved):
-        warnings.warn(f"{ckpt.path}: saved by an older hybrid, without its param groups' parameter names: the "
-                      f"optimizer keeps its own hyperparameters", stacklevel=3)
-        return own
-    by_names = {frozenset(g["param_names"]): g for g in saved}
-    out = []
-    for i, names in enumerate(group_names):
-        g = by_names.get(frozenset(names))
-        if g is None:
-            raise CheckpointError(
-                f"{ckpt.path}: the optimizer's param group {i} holds {names}, which is no saved group "
-                f"(the checkpoint's groups hold {[s['param_names'] for s in saved]}): build the optimizer with "
-                f"the saved groups, or load with hyperparameters='optimizer' to keep its own")
-        # JSON made tuples lists: give back torch's types where the optimizer has a tuple (betas).
-        restored = {k: (tuple(v) if isinstance(own[i].get(k), tuple) else v) for k, v in _hyper(g).items()}
-        out.append({**own[i], **restored})
-    return out
-
-
-def saved_groups(ckpt: CheckpointReader, optimizer, name_of: dict[int, str], hyperparameters: str):
-    """``(the checkpoint's OptimizerInfo, the hyperparameters each param group gets)``, once the
-    saved state is known to fit ``optimizer`` (its slots, AMSGrad's ``max_nu``)."""
-    info = ckpt.manifest.optimizer
-    if info is None:
-        raise CheckpointError(f"{ckpt.path}: holds no optimizer state (saved without an optimizer)")
-    group_names = param_names_by_group(optimizer, name_of)
-    groups = (_restored_groups(ckpt, optimizer, group_names) if hyperparameters == "checkpoint"
-              else [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
-    want = expected_slots(optimizer, groups)
-    if set(info.slots) != set(want):
-        raise CheckpointError(f"{ckpt.path}: holds {info.name} state {list(info.slots)}, but "
-                              f"{type(_inner(optimizer)).__name__} keeps {list(want)}")
-    for group, names in zip(groups, group_names):
-        if group.get("amsgrad"):
-            lacking = [n for n in names if info.has_state(n) and not info.holds("max_nu", n)]
-            if lacking:
-                raise CheckpointError(f"{ckpt.path}: parameters {lacking} are in an AMSGrad group, but were saved "
-                                      f"without AMSGrad's max_exp_avg_sq")
-    return info, groups
 
 
 def _optimizer_state_dict(ckpt: CheckpointReader, named, optimizer, hyperparameters: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from hybrid.checkpoint._formats import open_checkpoint
 from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
 from hybrid.checkpoint._protocol import begin_save
+from hybrid.checkpoint.torch._groups import saved_groups
 from hybrid.checkpoint.torch._commit import abandoned_on_failure, named_collective, write_and_commit
 from hybrid.checkpoint.torch._state import (
     _NAME_OF_CLASS, SLOT_OF_TORCH_KEY, TORCH_KEY_OF_SLOT, _hyperparameters, _inner, expected_slots, named_buffers,
@@ -112,8 +113,6 @@ def load_zero3(path, model, optimizer, *, scheduler, hyperparameters: str, buffe
     """:func:`hybrid.checkpoint.torch.load` into a ZeRO3 model (and its ZeRO3Optimizer): each rank
     reads the elements of its own slices, from any saved plan and world size. Every check runs
     before anything changes."""
-    from hybrid.checkpoint.torch._load import saved_groups  # _load dispatches here: imported late
-
     ckpt = open_checkpoint(path, param_names=list(model._names))
     ckpt.check_model(model.bucket_plan.specs, what="ZeRO3")
     named_bufs = named_buffers(model) if buffers else []
