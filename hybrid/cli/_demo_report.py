@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hybrid.cli._demo_options import DemoOptions
 from hybrid.cli._table import format_table, human_bytes
-
-if TYPE_CHECKING:  # annotations only: the command imports this module
-    from hybrid.cli.demo import DemoOptions
 
 # Per step the losses agree within tests/parity's tolerance (float32 computed in two orders).
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)

@@ -15,7 +15,6 @@ The model is hybrid.models' GPT pair by default (``--model mlp``: the small twin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 
+from hybrid.cli._demo_options import DemoOptions
 from hybrid.cli._host import ask_host_devices
 from hybrid.models._config import GPTConfig
 
@@ -188,23 +188,6 @@ def _run_jax(config, params, num_devices: int, desc: str, *, resume: Path | None
     with _bar(desc, config.num_steps - start) as bar:
         return train_jax(config, num_devices=num_devices, params=params, progress=_progress(bar),
                          resume=None if resume is None else str(resume))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DemoOptions:
-    """One demo run, as plain values (what the command line asks for, its defaults filled in)."""
-
-    model: str = "gpt"
-    steps: int = 40
-    world_size: int = 2
-    resume_world_size: int = 3
-    save_at: int = 20
-    stage: int = 1
-    optimizer: str = "adam"
-    lr: float = 3e-3
-    batch_size: int = 12
-    seed: int = 0
-    out: str = ""
 
 
 def run(args) -> int:
