@@ -18,7 +18,7 @@ import numpy as np
 import hybrid.jax as hj
 from hybrid.jax._specs import _leaves
 from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig, flax_loss
-from hybrid.demo._jax_run import JaxModel, bucket_caps, host
+from hybrid.demo._jax_model import JaxModel, bucket_caps, host
 from hybrid.demo._model import TrainConfig
 
 

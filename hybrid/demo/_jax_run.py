@@ -27,20 +27,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hybrid.jax as hj
-from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan
+from hybrid.core import BucketPlan
 from hybrid.jax._specs import _Layout
 from hybrid.demo._checkpointing import Checkpointing
+from hybrid.demo._jax_model import JaxModel, bucket_caps, host
 from hybrid.demo._model import TrainConfig, TrainResult, batch, initial_params
 from hybrid.models._mlp import param_order
 from hybrid.models._mlp_jax import cross_entropy, jax_params
 
 AXIS = "dp"
 Progress = Callable[[int, float], None]
-
-
-def host(x) -> np.ndarray:
-    """``x`` as numpy: this process's copy of a replicated array."""
-    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
 
 
 def numpy_params(tree) -> dict[str, np.ndarray]:
@@ -51,33 +47,6 @@ def numpy_params(tree) -> dict[str, np.ndarray]:
 def pin_jax_numerics() -> None:
     """float32 matmuls at full precision, so JAX computes what torch's CPU GEMM computes."""
     jax.config.update("jax_default_matmul_precision", "highest")
-
-
-class JaxModel(NamedTuple):
-    """What a run needs of a model on the JAX side.
-
-    ``tree(params)``: the parameter tree from numpy arrays by torch's names; ``named(tree)``: back
-    (this process's copy), by torch's names in registration order; ``loss(tree, x, y)``: the mean
-    cross-entropy of the rows given; ``layout``: how ``hybrid.jax.zero`` plans its buckets
-    (``order``, ``ready_order``, ``pairing`` and the caps), which ``hybrid.checkpoint.jax`` needs too.
-    """
-
-    tree: Callable
-    named: Callable
-    loss: Callable
-    layout: dict
-
-
-def bucket_caps(config: TrainConfig) -> dict:
-    """The config's caps as ``zero`` takes them: torch's defaults (1 MiB first bucket, then 25
-    MiB), or, as torch's DDP does with an explicit ``bucket_cap_mb``, one cap for every bucket.
-
-    >>> bucket_caps(TrainConfig())
-    {'bucket_cap_bytes': 26214400, 'first_bucket_cap_bytes': 1048576}
-    """
-    if config.bucket_cap_bytes is None:
-        return dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES)
-    return dict(bucket_cap_bytes=config.bucket_cap_bytes, first_bucket_cap_bytes=config.bucket_cap_bytes)
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,7 +7,7 @@ import pytest
 
 
 @pytest.mark.parametrize("name", ["hybrid.demo._model", "hybrid.demo._tokens", "hybrid.demo._jax_run",
-                                  "hybrid.demo._gpt_jax", "hybrid.demo._torch_run",
+                                  "hybrid.demo._jax_model", "hybrid.demo._gpt_jax", "hybrid.demo._torch_run",
                                   "hybrid.demo._world", "hybrid.demo._checkpointing"])
 def test_module_doctests(name):
     result = doctest.testmod(importlib.import_module(name))
