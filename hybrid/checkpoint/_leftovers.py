@@ -1,7 +1,7 @@
 """A folder of checkpoints: the newest complete one, and what interrupted saves left beside them.
 
 :func:`latest` is what a relaunched job resumes from (torchrun's ``--max-restarts`` does not
-restart a gloo job, so recovery is relaunching the same command: docs/torch.md, "Recovering from
+restart a gloo job, so recovery is relaunching the same command: docs/torch-api.md, "Recovering from
 a crash").
 
 A save of ``NAME`` works in two hidden siblings (``hybrid.checkpoint._protocol``): ``.NAME.saving``

@@ -1,7 +1,7 @@
 """``python -m hybrid bench NAME [ARGS]``: a benchmark of ``hybrid.bench``, given its own arguments.
 
 Each benchmark (``hybrid.bench.NAME``) parses the rest of the command line itself (``--help``
-lists its options) and measures two paths interleaved in one run (docs/core.md, "Benchmarks").
+lists its options) and measures two paths interleaved in one run (docs/benchmarks.md).
 """
 
 from __future__ import annotations

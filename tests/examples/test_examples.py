@@ -162,7 +162,7 @@ def test_jax_example_at_stage_3_saves_across_processes_and_resumes(tmp_path):
 
 
 def test_a_crashed_torchrun_job_relaunched_goes_on_from_its_newest_checkpoint(torchrun_example, tmp_path):
-    """The recovery docs/torch.md gives (torchrun's --max-restarts fails on gloo): launched with
+    """The recovery docs/torch-api.md gives (torchrun's --max-restarts fails on gloo): launched with
     --checkpoint-dir and --save-every, the job crashes after step 11 (--fail-at); the same command
     launched again resumes from step-000008, the newest complete checkpoint, and ends where the
     uninterrupted run ends, bit for bit (2 ranks: a 2-operand all-reduce is exact, so the fresh

@@ -15,7 +15,7 @@ builds it), and paired, the median over rounds of each round's model against the
 steps (how the project's benchmarks cancel a load that drifts). The test holds the paired ratio
 to 20%, the issue's bound: it asks whether the model's form (isolated time, gaps, interpolation)
 predicts what the steps cost, which a machine whose load changes between rounds cannot tell from
-the ratio of medians. Both print; docs/core.md has figures under load.
+the ratio of medians. Both print; docs/benchmarks.md has figures under load.
 
 A ratio can be held to 20% only where the rounds agree with each other to about that: a row whose
 per-round ratios spread wider (their middle half more than 1.25x from end to end: the run's A/A
@@ -24,7 +24,7 @@ skips, naming them and their spread (a machine shared with other jobs; CI runs t
 
 It runs when HYBRID_COST_VALIDATION=1 is set: on this project's 2-core machines it does not pass
 on every run (13 of 16 runs on an idle machine judged no row outside 20%; three failed on one row
-each, and the 2-rank train of 200 all-reduces scatters up to 3.6x between rounds: docs/core.md),
+each, and the 2-rank train of 200 all-reduces scatters up to 3.6x between rounds: docs/benchmarks.md),
 so it is not part of the default run, where it would fail or skip at random. Issue 25 stays open
 on it.
 """

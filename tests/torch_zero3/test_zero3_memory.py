@@ -15,7 +15,7 @@ every thread), at world sizes 2, 3 and 4, beside torch's DDP and FSDP2 on the sa
   layer, as torch recommends), on an MLP whose layers are each a bucket of the default plan; and on
   100 Linear(32, 32) with ``policy="memory"`` (a bucket per module, FSDP2's unit of gathering,
   nothing kept between forward and backward). There the default plan gathers many layers at once
-  (fewer, larger collectives: the speed-first end, docs/zero.md) and its peak is above FSDP2's;
+  (fewer, larger collectives: the speed-first end, docs/zero3-memory.md) and its peak is above FSDP2's;
   the test states it, not hides it.
 """
 
@@ -165,4 +165,4 @@ def test_memory_per_rank(live_counter, world):
                for name in ("fsdp2", "zero3_memory", "zero3")}
     print(f"world {world}, the fullest rank's peak: {fullest}")
     assert fullest["zero3_memory"] <= fullest["fsdp2"], fullest
-    assert fullest["zero3"] > fullest["fsdp2"], fullest  # the price of fewer collectives, stated (docs/zero.md)
+    assert fullest["zero3"] > fullest["fsdp2"], fullest  # the price of fewer collectives, stated (docs/zero3-memory.md)

@@ -177,7 +177,7 @@ def gather_params(shards: ParamShards):
         # One split, not a slice per member: its transpose is one concatenate of the cotangents,
         # where slices transpose to a bucket-sized pad per member, all added (python -m hybrid
         # bench jax, 32 members per bucket: CPU time per step 5.5x stage 2's with slices, under 2x
-        # with the split; see docs/jax.md).
+        # with the split; see docs/jax-zero.md).
         pieces = bucket_pieces(plan, b, length=full.shape[0])
         for (m, _), part in zip(pieces, jax.lax.split(full, [n for _, n in pieces])):
             if m is not None:
@@ -209,7 +209,7 @@ def gathered(fun, *, argnums: int = 0, reshard_after_forward: bool = True):
     the forward's gather and the reduce-scatter, 1.5x DDP's volume). ``False`` keeps the forward's
     gathered parameters for the backward (DDP's volume; every bucket held from its forward use to
     its backward). Either way XLA has the last word: a compiler that merges the two identical
-    gathers keeps the parameters, as XLA:CPU does (see docs/jax.md, "ZeRO-3").
+    gathers keeps the parameters, as XLA:CPU does (see docs/jax-zero.md, "ZeRO-3").
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import Mesh, PartitionSpec as P

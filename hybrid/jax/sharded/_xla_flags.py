@@ -2,7 +2,7 @@
 
 By default XLA:CPU compiles a stage-3 step that gathers every bucket at its start and keeps the
 gathered parameters to the backward, and its concurrency-optimised scheduler keeps every full
-gradient alive at once (docs/jax.md, "ZeRO-3"): the step's temporaries are the whole model twice,
+gradient alive at once (docs/jax-zero.md, "ZeRO-3"): the step's temporaries are the whole model twice,
 whatever the device count. Two flags change that:
 
 - ``--xla_cpu_enable_concurrency_optimized_scheduler=false``: XLA:CPU's memory-minimising

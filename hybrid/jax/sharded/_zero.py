@@ -39,7 +39,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     ``hybrid.core.plan_buckets``; every bucket is cut into equal slices by ``shard_flat``.
     Both stages reduce-scatter each bucket (``psum_scatter``) to this device's slice: in a
     functional step the full reduced gradient is never returned, so stage 1 and 2 are one program
-    (see docs/jax.md). ``inner`` then updates the slices (params sliced alike for weight decay)
+    (see docs/jax-zero.md). ``inner`` then updates the slices (params sliced alike for weight decay)
     and the updates are all-gathered back into the tree. ``init`` and ``update`` must run where
     ``axis_name`` is bound: ``jax.shard_map`` (state out_specs from :func:`hybrid.jax.state_specs`),
     ``jax.pmap``, or a multi-process mesh.
@@ -51,7 +51,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     collective of its own. The bucket plan travels with the shards (``hybrid.core.zero3_plan``, the
     plan of ``hybrid.torch.ZeRO3``), so the caps, ``order``, ``pairing``, ``plan`` and
     ``copy_backend`` go to ``shard_params`` instead (given here at stage 3, a ValueError).
-    Its state is the stage-2 state of the same plan (see docs/jax.md, "ZeRO-3").
+    Its state is the stage-2 state of the same plan (see docs/jax-zero.md, "ZeRO-3").
 
     Exact for elementwise transforms (sgd, momentum, adam, adamw, lion, ...), for global-norm
     clipping, and for weight-decay masks and param groups (``optax.masked``,

@@ -27,7 +27,7 @@ def _abstract_params(shards: ParamShards):
 
 def zero3(inner: optax.GradientTransformation, axis_name, *, mean: bool,
           check_elementwise: bool) -> optax.GradientTransformation:
-    """``hybrid.jax.zero(inner, axis_name, stage=3)``: see its docstring and docs/jax.md."""
+    """``hybrid.jax.zero(inner, axis_name, stage=3)``: see its docstring and docs/jax-zero.md."""
     check_inner(inner, axis_name, check_elementwise)
     flat_inner = on_slices(inner)
 

@@ -37,7 +37,7 @@ def test_memory_first_flags_keep_one_layer_gathered(tmp_path):
     share = params / DEVICES  # this device's float32 gradient slices, alive until Adam's update
     print({k: round(v / MiB, 2) for k, v in default.items() if k.endswith(("temp", "held"))},
           {k: round(v / MiB, 2) for k, v in memory_first.items() if k.endswith(("temp", "held"))})
-    # XLA:CPU's default (docs/jax.md, "ZeRO-3"): every bucket gathered and every full gradient
+    # XLA:CPU's default (docs/jax-zero.md, "ZeRO-3"): every bucket gathered and every full gradient
     # alive at once, twice the model whatever the device count; pinned so a change in XLA shows.
     assert default["step_temp"] >= 2 * params
     # The flags: the gradient share, one layer's gathered weight and its full gradient, and

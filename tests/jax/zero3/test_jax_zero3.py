@@ -182,7 +182,7 @@ def test_collectives_per_bucket(reshard_after_forward):
                       "all_gather": nonempty + (1 if reshard_after_forward else 0), "pad": 0}
     # XLA:CPU drops optimization barriers and merges the backward's gathers with the forward's
     # identical ones: on host devices the compiled step gathers once per bucket either way
-    # (docs/jax.md says so; this pins it, so a change in XLA shows here).
+    # (docs/jax-zero.md says so; this pins it, so a change in XLA shows here).
     assert compiled == nonempty
 
 
