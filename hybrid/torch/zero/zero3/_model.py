@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.utils._pytree import tree_map
 
 from hybrid.core import (BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, shard_flat, zero3_group_plan,
@@ -64,6 +65,18 @@ def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None:
         return value
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def _begin_forward_seen(model: "ZeRO3", args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # dynamo's callback is still set in this (skipped) frame when the whole model runs compiled;
+    # everything below it runs eagerly (a disabled function), not as frames of their own.
+    callback = get_eval_frame_callback()
+    return model._begin_forward_eagerly(args, kwargs, callback is not None and callback is not False)
+
+
+# dynamo skips this frame, not the frames it calls (as hybrid.torch.dynamo's forward_module): a
+# traced ZeRO3.forward graph-breaks here, and the frame sees whether a compile is running.
+_begin_forward = torch._dynamo.decorators.skip(_begin_forward_seen)
 
 
 class ZeRO3(nn.Module):
@@ -251,12 +264,9 @@ class ZeRO3(nn.Module):
         return self._schedule.order
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._guard.enter("forward")
-        self._grads.abandon_unfinished()
-        self._grads.drop_stand_ins()
-        if getattr(self._mp, "cast_forward_inputs", False):
-            args, kwargs = _cast((args, kwargs), getattr(self._mp, "param_dtype", None))
-        self._schedule.begin_forward()
+        # Under torch.compile the bookkeeping runs as graph breaks (_begin_forward, _end_forward,
+        # the units' hooks); dynamo traces the module between them.
+        args, kwargs = _begin_forward(self, args, kwargs)
         try:
             out = self.module(*args, **kwargs)
         except BaseException:
@@ -267,6 +277,21 @@ class ZeRO3(nn.Module):
         return _cast(out, getattr(self._mp, "output_dtype", None))
 
     @contextlib.contextmanager
+        return self._end_forward(out)
+
+    @torch._dynamo.disable
+    def _begin_forward_eagerly(self, args: tuple, kwargs: dict, whole_compiled: bool) -> tuple[tuple, dict]:
+        self._guard.enter("forward")
+        self._grads.abandon_unfinished()
+        self._grads.drop_stand_ins()
+        self._schedule.hook_units(whole_compiled=whole_compiled)
+        if getattr(self._mp, "cast_forward_inputs", False):
+            args, kwargs = _cast((args, kwargs), getattr(self._mp, "param_dtype", None))
+        self._schedule.begin_forward()
+        return args, kwargs
+
+    @torch._dynamo.disable
+    def _end_forward(self, out: Any) -> Any:
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside keep their gradients local and whole, in ``.grad`` (as DDP's
         ``no_sync``: a full gradient per rank); the first backward outside reduces their sum."""

@@ -83,6 +83,8 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
     def __init__(self, module: ZeRO3, optimizer_class: type[Optimizer],
                  param_groups: Iterable[dict[str, Any]] | None = None, *, step_in_backward: bool = False,
                  offload_dir: str | os.PathLike | None = None, **defaults: Any):
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            module = module._orig_mod  # torch.compile(model): the ZeRO3 model it runs
         if not isinstance(module, ZeRO3):
             raise TypeError(f"ZeRO3Optimizer needs a hybrid.torch.ZeRO3 model, got {type(module).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):

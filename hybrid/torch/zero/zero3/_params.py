@@ -48,6 +48,15 @@ def _wait_and_release(works: list) -> None:
             t.untyped_storage().resize_(0)
 
 
+def _unmade_view(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A working parameter before its bucket's buffer is made: one zero, expanded to the
+    parameter's shape (no memory of the parameter's size). Its shape, which a graph
+    ``torch.compile`` captured checks, is right from the start; once made, the views keep their
+    shapes and strides across every free and gather (only the buffer's storage is resized, as
+    FSDP2 resizes its unsharded parameters' storage), so the captured graphs stay valid."""
+    return like.new_zeros(()).expand(shape)
+
+
 class ParamBuckets:
     """This rank's parameter slices, and the full buckets gathered from them on demand.
 
@@ -97,19 +106,21 @@ class ParamBuckets:
                 flat.untyped_storage().resize_(0)  # now, not when the backend drops the broadcast
             full = torch.empty(0, dtype=compute_dtype or first.dtype, device=where)
             for m in bucket.members:
-                self.work[m] = torch.nn.Parameter(full.new_empty(0))  # a view of the buffer, once made
+                # a view of the buffer, once made; till then a stand-in of its shape (see _new_buffer)
+                self.work[m] = torch.nn.Parameter(_unmade_view(full, shards.bucket_plan.specs[m].shape))
             self.full.append(full)
             self._unmade.append(True)
             self.state.append(FREE)
 
     def _new_buffer(self, b: int) -> None:
         """Bucket ``b`` gets a new full buffer at its next gather; the old one stays with whoever
-        still holds a view of it. Till then its working parameters hold no element."""
+        still holds a view of it. Till then its working parameters hold no memory of their own,
+        but keep their shapes."""
         old = self.full[b]
         empty = torch.empty(0, dtype=old.dtype, device=old.device)
         with torch.no_grad():
             for m in self.shards.bucket_plan.buckets[b].members:
-                self.work[m].data = empty
+                self.work[m].data = _unmade_view(empty, self.shards.bucket_plan.specs[m].shape)
         self.full[b] = empty
         self._unmade[b] = True
 

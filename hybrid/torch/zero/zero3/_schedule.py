@@ -38,6 +38,26 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hybrid.core import BucketPlan, forward_order
 from hybrid.torch.zero.zero3._grads import GradReducer
 from hybrid.torch.zero.zero3._params import READY, ParamBuckets
+from hybrid.torch.zero.zero3._units import select_units
+
+
+def _eager(fn):
+    """``fn`` run by dynamo as a graph break, never traced (FSDP2's hooks under
+    ``torch._dynamo.config.skip_fsdp_hooks``): it issues collectives and swaps parameters."""
+    return torch._dynamo.disable(fn, recursive=True)
+
+
+def _members(unit: nn.Module, units: set[int]) -> list[nn.Module]:
+    """``unit`` and the modules under it that no other unit (nearer to them) covers."""
+    found, stack, seen = [], [unit], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        found.append(m)
+        stack.extend(c for c in reversed(list(m.children())) if id(c) not in units)
+    return found
 
 
 class Schedule:
@@ -61,27 +81,10 @@ class Schedule:
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.on_implicit_forward = on_implicit_forward
         self.keep_for_backward = keep_for_backward  # the forward's last bucket, which the backward starts with
-        self.needs: dict[nn.Module, tuple[int, ...]] = {}
-        self._specs_of: dict[nn.Module, tuple[int, ...]] = {}
-        self._owned: dict[nn.Module, list[tuple[str, int]]] = {}  # (attribute, spec index)
-        self._users: list[set[nn.Module]] = [set() for _ in plan.buckets]
-        self._user_params: dict[int, nn.Parameter] = {}
-        for m in module.modules():
-            owned = [(name, index_of[id(p)]) for name, p in m._parameters.items()
-                     if p is not None and id(p) in index_of]
-            extra = tuple(i for i in declared.get(m, ()) if i not in {j for _, j in owned})
-            if not owned and not extra and m is not module:
-                continue
-            for name, i in owned:
-                self._user_params[i] = m._parameters[name]
-            specs = tuple(i for _, i in owned) + extra
-            bs = tuple(sorted({plan.locate(i)[0] for i in specs}))
-            self.needs[m], self._specs_of[m], self._owned[m] = bs, specs, owned
-            for b in bs:
-                self._users[b].add(m)
-            m.register_forward_pre_hook(self._pre_forward)
-            # always_call: a module that raises still gives its parameters back and closes its session.
-            m.register_forward_hook(self._post_forward, always_call=True)
+        self._index_of, self._declared = index_of, declared
+        self._handles: list = []
+        self.whole_compiled: bool | None = None
+        self.hook_units(whole_compiled=False)
         self._set_order(forward_order(plan))
         self.session: str | None = None  # "forward" (ZeRO3.forward's), "implicit", or None
         self._implicit_owner: nn.Module | None = None
@@ -91,6 +94,48 @@ class Schedule:
         self._first_use: list[int] = []
         self._seen: set[int] = set()
         self._done: list[set[nn.Module]] = [set() for _ in plan.buckets]
+
+    def hook_units(self, *, whole_compiled: bool) -> None:
+        """Hook the units (``_units``): eager, every module holding parameters; ``whole_compiled``:
+        the blocks a ``torch.compile`` of the whole model should run as single graphs. Between
+        forwards only (the tables below are the state of a forward's hooks)."""
+        if whole_compiled == self.whole_compiled:
+            return
+        for h in self._handles:
+            h.remove()
+        self.whole_compiled = whole_compiled
+        index_of, plan = self._index_of, self.plan
+
+        def own(m: nn.Module) -> list[tuple[nn.Module, str, int]]:
+            return [(m, name, index_of[id(p)]) for name, p in m._parameters.items()
+                    if p is not None and id(p) in index_of]
+
+        def holds(m: nn.Module) -> bool:
+            return bool(own(m)) or bool(self._declared.get(m))
+
+        self.needs: dict[nn.Module, tuple[int, ...]] = {}
+        self._specs_of: dict[nn.Module, tuple[int, ...]] = {}
+        # per unit: (module, attribute, spec index) of every parameter it puts in place
+        self._owned: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}
+        self._users: list[set[nn.Module]] = [set() for _ in plan.buckets]
+        self._user_params: dict[int, nn.Parameter] = {}
+        units = select_units(self.root, holds, whole_compiled=whole_compiled)
+        for u in units:
+            members = _members(u, {id(x) for x in units})
+            owned = [entry for m in members for entry in own(m)]
+            mine = {i for _, _, i in owned}
+            extra = tuple(dict.fromkeys(i for m in members for i in self._declared.get(m, ()) if i not in mine))
+            for m, name, i in owned:
+                self._user_params[i] = m._parameters[name]
+            specs = tuple(dict.fromkeys(i for _, _, i in owned)) + extra
+            bs = tuple(sorted({plan.locate(i)[0] for i in specs}))
+            self.needs[u], self._specs_of[u], self._owned[u] = bs, specs, owned
+            for b in bs:
+                self._users[b].add(u)
+            # Graph breaks under torch.compile: dynamo runs the hooks, never traces them.
+            self._handles.append(u.register_forward_pre_hook(_eager(self._pre_forward)))
+            # always_call: a module that raises still gives its parameters back and closes its session.
+            self._handles.append(u.register_forward_hook(_eager(self._post_forward), always_call=True))
 
     def _set_order(self, order: tuple[int, ...]) -> None:
         self.order = order
@@ -177,9 +222,8 @@ class Schedule:
     def _swap(self, module: nn.Module, *, working: bool) -> None:
         """Hold the working parameters (views into the gathered buckets) on the module while it
         runs, the user's sharded stand-ins otherwise."""
-        params = module._parameters
-        for name, i in self._owned[module]:
-            params[name] = self.buckets.work[i] if working else self._user_params[i]
+        for m, name, i in self._owned[module]:
+            m._parameters[name] = self.buckets.work[i] if working else self._user_params[i]
 
     def swap_all(self, *, working: bool) -> None:
         for m in self._owned:
