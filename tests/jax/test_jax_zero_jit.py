@@ -81,8 +81,10 @@ def run_jit(name, stage, world_size):
     return history, params, state
 
 
-CASES = ([(name, stage, 4) for name in INNER for stage in (1, 2, 3)]
-         + [("clip_adamw", 2, 3), ("adamw_masked", 3, 3)])  # 3 devices: padding in every bucket
+# Stages 1 and 2 are one program (both shard the state; the gradient is reduced by XLA either way),
+# so stage 1 runs with one inner transform; 3 devices: padding in every bucket.
+CASES = ([(name, stage, 4) for name in INNER for stage in (2, 3)] + [("adamw", 1, 4)]
+         + [("clip_adamw", 2, 3), ("adamw_masked", 3, 3)])
 
 
 @pytest.mark.parametrize("name,stage,world_size", CASES)
@@ -234,3 +236,18 @@ def test_errors_name_the_fix():
     other = {"w": jnp.ones(3)}
     with pytest.raises(ValueError, match="re-run init"):
         tx.update(other, state, other)
+
+
+def test_misuse_under_jit_names_the_fix():
+    """hybrid's axis-aware clip (made for a device's slices) and a gathered loss given what it cannot
+    split over the devices."""
+    tx = hj.zero(optax.chain(hj.clip_by_global_norm(1.0, AXIS), optax.adam(1e-2)), AXIS, stage=2, mesh=_mesh(4))
+    params = make_params()
+    with pytest.raises(ValueError, match="optax.clip_by_global_norm"):
+        jax.jit(tx.update)(params, jax.jit(tx.init)(params), params)
+    shards = hj.shard_params(params, AXIS, mesh=_mesh(4), **CAPS)
+    x, y = make_batch(0)
+    with pytest.raises(TypeError, match="positionally"):
+        jax.jit(lambda s, x, y: hj.gathered(loss)(s, x, y=y))(shards, x, y)
+    with pytest.raises(ValueError, match="not a multiple of the 4 devices"):
+        jax.jit(hj.gathered(loss))(shards, x[:10], y[:10])

@@ -55,6 +55,28 @@ def _check_inner_whole(inner, axis_name, check_elementwise: bool) -> None:
     check_inner(axis_aware(inner, axis_name), axis_name, True)
 
 
+def _on_whole_buckets(bind, axis_name):
+    """``(tree, layout, shards) -> transform``: the inner transform on whole buckets (``rank=None``),
+    whose errors about an unbound axis (hybrid's axis-aware twins, made for a device's slices, psum
+    over the axis) say what to use under a plain jit."""
+    def bound(tree, layout, shards):
+        tx = bind(tree, layout, shards, None)
+
+        def explained(fn):
+            def call(*args):
+                try:
+                    return fn(*args)
+                except ValueError as e:
+                    if f"axis name {axis_name!r} is not bound" not in str(e):
+                        raise
+                    raise ValueError(f"zero(mesh=...): {e}. Under a plain jit zero's inner transform sees whole "
+                                     f"buckets, not a device's slices: use optax.clip_by_global_norm and "
+                                     f"optax.apply_if_finite there, not hybrid.jax's axis-aware twins") from None
+            return call
+        return optax.GradientTransformation(explained(tx.init), explained(tx.update))
+    return bound
+
+
 def _shard_state(tree, sharded, replicated, n: int):
     """Constrain a state tree: bucket-long arrays over the axis (``1 / N`` per device), the rest
     (step counts, scalars) replicated."""
@@ -77,7 +99,7 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
                          f"the packing itself; the copy kernels run inside shard_map only")
     _check_inner_whole(inner, axis_name, check_elementwise)
     sharded, replicated = NamedSharding(mesh, P(axis_name)), NamedSharding(mesh, P())
-    flat_inner = on_slices(inner)  # rank None: masks and labels per element of the whole bucket
+    flat_inner = _on_whole_buckets(on_slices(inner), axis_name)  # masks and labels per element of the whole bucket
     if stage == 3:
         return _zero3_jit(flat_inner, axis_name, n, sharded, replicated)
     caps = {k: plan_options[k] for k in ("bucket_cap_bytes", "first_bucket_cap_bytes")}
@@ -91,7 +113,7 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
         layout = layout_of(params, "zero.init")
         shards = layout.shards(n)
         flats = global_buckets(layout, shards, params, sharded)
-        state = flat_inner(params, layout, shards, None).init(flats)
+        state = flat_inner(params, layout, shards).init(flats)
         return ZeroState(_shard_state(state, sharded, replicated, n), shard_key(shards))
 
     def update_fn(updates, state, params=None):
@@ -105,7 +127,7 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
             if param_layout.plan != layout.plan:
                 raise ValueError("zero.update: params and updates must be trees of the same names, shapes and dtypes")
             param_flats = local_buckets(param_layout, shards, params, mesh, axis_name)
-        new, inner_state = flat_inner(updates, layout, shards, None).update(grads, state.inner, param_flats)
+        new, inner_state = flat_inner(updates, layout, shards).update(grads, state.inner, param_flats)
         out = {}
         for b, flat in enumerate(new):
             out.update(unpack(layout.plan, b, jax.lax.with_sharding_constraint(flat, replicated)))  # all-gather
@@ -134,7 +156,7 @@ def _check_global(shards, what: str, axis_name: str, n: int) -> ParamShards:
 def _zero3_jit(flat_inner, axis_name: str, n: int, sharded, replicated) -> optax.GradientTransformation:
     def bound(shards: ParamShards):
         lay = shards.layout
-        return flat_inner(lay.layout.abstract(), lay.layout, lay.shards, None)
+        return flat_inner(lay.layout.abstract(), lay.layout, lay.shards)
 
     def init_fn(params):
         shards = _check_global(params, "zero.init (stage 3)", axis_name, n)
