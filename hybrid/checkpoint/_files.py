@@ -89,6 +89,9 @@ class Checkpoint(CheckpointReader):
         self._headers: dict[int, ShardHeader] = {}
         self._warned_unbound = False
 
+    def _no_scheduler(self) -> str:
+        return "saved without scheduler="
+
     def file(self, rank: int) -> pathlib.Path:
         return self.path / self.manifest.files[rank].name
 

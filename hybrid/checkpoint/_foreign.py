@@ -35,13 +35,15 @@ def one_bucket_per_tensor(specs: Sequence[TensorSpec]) -> BucketPlan:
 
 def foreign_manifest(framework: str, specs: Sequence[TensorSpec], *, step: int, optimizer: OptimizerInfo | None,
                      buffers: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
-                     metadata: dict | None = None) -> Manifest:
-    """A manifest describing a foreign checkpoint's tensors (``buffers``: name -> (shape, dtype))."""
+                     metadata: dict | None = None, run_state: dict | None = None) -> Manifest:
+    """A manifest describing a foreign checkpoint's tensors (``buffers``: name -> (shape, dtype);
+    ``run_state``: its LR scheduler's state and the entries it carries, ``_other_state``)."""
     plan = one_bucket_per_tensor(specs)
     kinds = ["params", *(optimizer.slots if optimizer is not None else ())]
     dtypes = {f"{kind}/{b}": bucket.dtype for kind in kinds for b, bucket in enumerate(plan.buckets)}
     buffer_meta = {n: {"shape": list(shape), "dtype": dtype} for n, (shape, dtype) in (buffers or {}).items()}
-    return Manifest(framework, 1, None, int(step), plan, optimizer, dtypes, (), dict(metadata or {}), buffer_meta)
+    return Manifest(framework, 1, None, int(step), plan, optimizer, dtypes, (), dict(metadata or {}), buffer_meta,
+                    dict(run_state or {}))
 
 
 def copy_ranges(flat: np.ndarray, ranges: Sequence[tuple[int, np.ndarray]]) -> None:

@@ -112,6 +112,18 @@ class CheckpointReader:
         self.verify([0])
         return dict(self.manifest.run_state)
 
+    def scheduler_state(self) -> dict:
+        """The LR scheduler's ``state_dict()`` the checkpoint holds, or a CheckpointError that
+        names the format read and why it holds none (:meth:`_no_scheduler`)."""
+        state = self.manifest.run_state.get("scheduler")
+        if state is None:
+            raise CheckpointError(f"{self.path}: this {self.format} checkpoint holds no LR scheduler state "
+                                  f"({self._no_scheduler()})")
+        return state
+
+    def _no_scheduler(self) -> str:
+        return f"the {self.format} format keeps none hybrid reads"
+
     def check_buffers(self, shapes: dict[str, tuple], *, what: str) -> None:
         """Raise CheckpointError unless ``shapes`` (name -> shape) are the checkpoint's buffers."""
         saved = {n: tuple(e["shape"]) for n, e in self.manifest.buffers.items()}

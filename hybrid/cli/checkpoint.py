@@ -69,6 +69,8 @@ def describe(ckpt) -> dict:
                 "name": opt.name, "slots": list(opt.slots), "count": opt.count, "counts": opt.counts,
                 "without_state": list(opt.without_state),
                 "param_groups": opt.hyperparameters.get("param_groups", [])},
+            "scheduler": "scheduler" in m.run_state,
+            "carried": [".".join(map(str, e["path"])) for e in m.run_state.get("carried", {}).get("entries", [])],
             "left_out": list(m.metadata.get("left_out", []))}
 
 
@@ -87,6 +89,10 @@ def _print_info(d: dict) -> None:
         for i, g in enumerate(opt["param_groups"]):
             hyper = {k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "momentum", "amsgrad")}
             print(f"  param group {i}: {hyper} over {len(g.get('param_names', []))} parameters")
+    if d["scheduler"]:
+        print("  LR scheduler state (load(..., scheduler=) restores it)")
+    if d["carried"]:
+        print(f"  carried (the run's other state, kept through convert): {d['carried']}")
     if d["left_out"]:
         print(f"  left out (not model, optimizer or step): {d['left_out']}")
     for t in d["tensors"]:

@@ -279,7 +279,8 @@ def test_doctests_of_the_dtype_modules():
     import doctest
     import importlib
 
-    for name in ("hybrid.checkpoint._dtypes", "hybrid.checkpoint.torch._dtypes", "hybrid.checkpoint.jax._tree"):
+    for name in ("hybrid.checkpoint._dtypes", "hybrid.checkpoint.torch._dtypes", "hybrid.checkpoint.jax._tree",
+                 "hybrid.checkpoint._other_state", "hybrid.checkpoint.torch._other_state"):
         result = doctest.testmod(importlib.import_module(name))
         assert result.attempted > 0 and result.failed == 0, name
 

@@ -8,8 +8,8 @@
 ``"optimizer"`` flattened with ``flatten_optimizer_state_dict``: ``("optimizer",
 "state.0.weight.exp_avg")``). The optimizer is found where its param groups are; the model is
 the prefix under which every parameter the optimizer steps is a tensor; the training step is an
-entry named ``step`` outside both. Everything else (data-loader state, LR schedulers, ...) is
-listed as left out.
+entry named ``step`` outside both. Everything else (an LR scheduler, data-loader state, a train
+state, ...) is listed as the rest, which the reader carries (``hybrid.checkpoint._other_state``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ class DcpLayout:
     groups: list[dict]                   # each param group's hyperparameters, with "param_names"
     step_keys: tuple[str, ...]           # entries named "step" outside the model and the optimizer
     left_out: tuple[str, ...]            # entries none of the above
+    paths: dict = dataclasses.field(default_factory=dict)  # every key's path in the saved nested dict
+    model_prefix: Path = ()                # the model's entries lie under it ((): the top level, torchtitan's)
+    optim_prefix: Path | None = None       # the optimizer's; None: no optimizer
+    optim_flat: bool = False               # flatten_optimizer_state_dict's keys (torchtitan's), not nested
+
+    def writes_as(self) -> dict:
+        """How a DCP written back lays the model and optimizer out, as this one does (JSON)."""
+        return {"model_key": ".".join(map(str, self.model_prefix)),
+                "optim_key": None if self.optim_prefix is None else ".".join(map(str, self.optim_prefix)),
+                "optim_flat": self.optim_flat}
 
 
 def _optimizer_entry(path: Path):
@@ -104,7 +114,10 @@ def classify(keys: Sequence[str], paths: dict | None, is_tensor: Callable[[str],
     if missing:
         raise CheckpointError(f"{where}: the optimizer steps {missing}, which the model's entries (under "
                               f"{_dotted(model_prefix)}) lack")
-    return DcpLayout(model, buffers, state, groups, tuple(step_keys), tuple(left_out))
+    flat = any(isinstance(path_of[k][-1], str) and path_of[k][-1].startswith(("state.", "param_groups."))
+               for k in mine)
+    return DcpLayout(model, buffers, state, groups, tuple(step_keys), tuple(left_out), path_of, model_prefix,
+                     opt_prefix, flat)
 
 
 def _groups(entries: dict, load_value, where: str) -> list[dict]:

@@ -31,6 +31,22 @@ _ADAM_KEYS = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 _KNOWN = "torch's Adam / AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq) and SGD with momentum (momentum_buffer)"
 
 
+# Where torchtitan (``lr_scheduler``) and torch's recipes (``scheduler``) keep an LR scheduler's state.
+_SCHEDULER_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler")
+
+
+def _scheduler_in(tree: dict) -> tuple[tuple, dict] | None:
+    """``(sub-path, state)`` of an LR scheduler's ``state_dict()`` in ``tree``: itself, or its one
+    child (a container of schedulers that saves ``{"lr_scheduler_0": ...}``)."""
+    if "last_epoch" in tree and "base_lrs" in tree:
+        return (), tree
+    if len(tree) == 1:
+        (key, child), = tree.items()
+        if isinstance(child, dict) and "last_epoch" in child and "base_lrs" in child:
+            return (key,), child
+    return None
+
+
 def _jsonable(v) -> bool:
     return isinstance(v, (int, float, bool, str)) or v is None or (
         isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v))
@@ -75,6 +91,9 @@ class DcpCheckpoint(ForeignCheckpoint):
         entries = self._metadata.state_dict_metadata
         self.layout = classify(list(entries), self._metadata.planner_data, self._is_tensor, self._value,
                                where=str(path), param_names=param_names, model_key=model_key)
+        from hybrid.checkpoint._dtypes import check_storable
+        check_storable({name: entries[key].properties.dtype for name, key in
+                        [*self.layout.model.items(), *self.layout.buffers.items()]}, where=str(path))
         specs = [self._spec(name, key) for name, key in self.layout.model.items()]
         optimizer = self._optimizer([s.name for s in specs])
         recorded = self._recorded_step()
@@ -85,8 +104,11 @@ class DcpCheckpoint(ForeignCheckpoint):
             optimizer = dataclasses.replace(optimizer, count=step)  # SGD counts no steps: the run's, as torch saves
         buffers = {n: (tuple(entries[k].size), canonical_dtype(entries[k].properties.dtype))
                    for n, k in self.layout.buffers.items()}
+        run_state, left_out, scheduler_path = self._other_state()
         manifest = foreign_manifest("torch", specs, step=step, optimizer=optimizer, buffers=buffers,
-                                    metadata={"format": "dcp", "left_out": list(self.layout.left_out)})
+                                    metadata={"format": "dcp", "left_out": left_out,
+                                              "dcp_layout": {**self.layout.writes_as(), "scheduler": scheduler_path}},
+                                    run_state=run_state)
         super().__init__(path, manifest, "dcp")
         self._checked = True  # checked_files ran above
 
@@ -137,6 +159,55 @@ class DcpCheckpoint(ForeignCheckpoint):
         if len(set(values.values())) > 1:
             raise CheckpointError(f"{self.path}: holds several training steps {values}: which one is the run's?")
         return int(next(iter(values.values()))) if values else None
+
+    # -- the run's other state ---------------------------------------------------------------------
+
+    def _no_scheduler(self) -> str:
+        tops = sorted({str(p[0]) for p in self.layout.paths.values() if len(p) > 1})
+        return (f"no entry {' / '.join(_SCHEDULER_KEYS)} holding an LR scheduler's state_dict() (base_lrs, "
+                f"last_epoch) beside the model; its nested entries are {tops}")
+
+    def _other_state(self) -> tuple[dict, list[str], list | None]:
+        """``(run_state, left out, the scheduler's path)``: the LR scheduler's state (an entry named
+        as torchtitan's ``lr_scheduler``, or ``scheduler``, holding ``last_epoch``) for
+        ``load(..., scheduler=)``, and every other entry beside the model, the optimizer and the
+        step (a data loader's, a train state) carried; what is not plain data is left out, named."""
+        from hybrid.checkpoint._other_state import CARRIED, Tensor, encode, nest
+        from hybrid.checkpoint._write import check_json
+
+        paths = self.layout.paths
+        keys = list(self.layout.left_out) + [k for k in self.layout.step_keys if paths[k] != ("step",)]
+        values, left_out = {}, []
+        for k in keys:
+            try:
+                if self._is_tensor(k):
+                    meta = self._metadata.state_dict_metadata[k]
+                    dtype = canonical_dtype(meta.properties.dtype)
+                    values[k] = Tensor(dtype, self._whole(k).reshape(tuple(meta.size)))
+                else:
+                    values[k] = self._value(k)
+                encode(values[k])
+            except (CheckpointError, TypeError, ValueError) as e:
+                values.pop(k, None)
+                left_out.append(f"{k} ({e})")
+        run_state, scheduler_path = {}, None
+        for top in _SCHEDULER_KEYS:
+            mine = {k: v for k, v in values.items() if paths[k][0] == top}
+            found = _scheduler_in(nest([(paths[k][1:], v) for k, v in mine.items()])) if mine else None
+            if found is None:
+                continue
+            sub, state = found
+            try:
+                check_json(state, "scheduler")
+            except ValueError:
+                continue  # not JSON (a tensor in it?): carried as it is instead
+            run_state["scheduler"], scheduler_path = state, [top, *sub]
+            values = {k: v for k, v in values.items() if paths[k][:1 + len(sub)] != (top, *sub)}
+            break
+        if values:
+            run_state[CARRIED] = {"from": "dcp", "entries": [{"path": list(paths[k]), "value": encode(v)}
+                                                              for k, v in values.items()]}
+        return run_state, left_out, scheduler_path
 
     # -- the optimizer ---------------------------------------------------------------------------
 

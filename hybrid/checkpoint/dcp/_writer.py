@@ -66,11 +66,20 @@ def torch_param_groups(info: OptimizerInfo, names: list[str], given=None, *, whe
     return out
 
 
-def dcp_state_dict(ckpt, *, model_key: str = "model", optim_key: str = "optim", param_groups=None) -> dict:
+def dcp_state_dict(ckpt, *, model_key: str | None = None, optim_key: str | None = None, param_groups=None) -> dict:
     """The state dict a DCP write saves (whole tensors) from the opened checkpoint ``ckpt``:
     ``{model_key: model_sd, optim_key: optim_sd, "step": step}`` as ``get_state_dict`` gives
-    them. Everything is checked first."""
+    them, the LR scheduler's state and the entries the checkpoint carries (a torchtitan run's
+    ``dataloader``, ``train_state``) where they were. Everything is checked first.
+
+    Without ``model_key`` / ``optim_key``, a checkpoint that came from DCP is laid out as it was
+    (torchtitan's: the model's entries at the top level, the optimizer flattened under
+    ``optimizer``, the scheduler under ``lr_scheduler``), so the run that wrote it loads it back
+    with its own ``dcp.load``; any other as torch's recipe, ``{"model":, "optim":}``."""
     m, where = ckpt.manifest, str(ckpt.path)
+    was = m.metadata.get("dcp_layout") or {} if model_key is None and optim_key is None else {}
+    model_key = model_key if model_key is not None else was.get("model_key", "model")
+    optim_key = optim_key if optim_key is not None else (was.get("optim_key") or "optim")
     names = [s.name for s in m.plan.specs]
     info = m.optimizer
     groups = torch_param_groups(info, names, param_groups, where=where) if info is not None else None
@@ -79,7 +88,8 @@ def dcp_state_dict(ckpt, *, model_key: str = "model", optim_key: str = "optim", 
     model = {n: _tensor(a, dtypes[n]) for n, a in ckpt.tensors("params").items()}
     for n, a in ckpt.buffers().items():
         model[n] = _tensor(a, m.buffers[n]["dtype"])
-    out: dict = {model_key: model, "step": torch.tensor(m.step)}
+    out: dict = {"step": torch.tensor(m.step)}
+    _place(out, model_key, model)
     if info is not None:
         slots = {s: ckpt.tensors(s) for s in info.slots}
         state = {}
@@ -89,8 +99,45 @@ def dcp_state_dict(ckpt, *, model_key: str = "model", optim_key: str = "optim", 
             st = {} if info.name == "sgd" else {"step": torch.tensor(float(info.count_of(n)))}
             st.update({TORCH_KEY_OF_SLOT[s]: _tensor(slots[s][n], dtypes[n]) for s in info.slots if info.holds(s, n)})
             state[n] = st
-        out[optim_key] = {"state": state, "param_groups": groups}
+        _place(out, optim_key, _flat_optimizer(state, groups) if was.get("optim_flat") else
+               {"state": state, "param_groups": groups})
+    _add_run_state(out, m.run_state, was.get("scheduler") or ["lr_scheduler"])
     return out
+
+
+def _place(out: dict, key: str, value: dict) -> None:
+    """``out[key] = value`` for a dotted ``key`` (nested), or ``value``'s entries at the top for ``""``."""
+    node = out
+    for part in key.split(".") if key else ():
+        node = node.setdefault(part, {})
+    node.update(value)
+
+
+def _flat_optimizer(state: dict, groups: list[dict]) -> dict:
+    """The optimizer state dict as ``flatten_optimizer_state_dict=True`` gives it (torchtitan's):
+    ``state.NAME.KEY`` and ``param_groups.NAME.KEY``."""
+    flat = {f"state.{n}.{k}": v for n, st in state.items() for k, v in st.items()}
+    for g in groups:
+        flat.update({f"param_groups.{n}.{k}": v for n in g["params"] for k, v in g.items() if k != "params"})
+    return flat
+
+
+def _add_run_state(out: dict, run_state: dict, scheduler_path: list) -> None:
+    """The LR scheduler's state (at ``scheduler_path``) and the carried entries, where they were."""
+    from hybrid.checkpoint._other_state import Tensor, carried_entries, nest
+
+    def as_torch(v):
+        if isinstance(v, Tensor):
+            return _tensor(v.array, v.dtype).reshape(v.array.shape)
+        if isinstance(v, (list, tuple)):
+            return type(v)(as_torch(x) for x in v)
+        if isinstance(v, dict):
+            return {k: as_torch(x) for k, x in v.items()}
+        return v
+
+    if "scheduler" in run_state:
+        nest([(tuple(scheduler_path), dict(run_state["scheduler"]))], out)
+    nest([(path, as_torch(v)) for path, v in carried_entries(run_state)], out)
 
 
 def save_here(state: dict, path: str | os.PathLike) -> None:

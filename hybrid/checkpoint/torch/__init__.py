@@ -8,6 +8,7 @@ what torch's own ``load_state_dict`` calls restore.
 """
 
 from hybrid.checkpoint.torch._load import load, state_dicts
+from hybrid.checkpoint.torch._other_state import other_state
 from hybrid.checkpoint.torch._save import save, save_state_dicts
 
-__all__ = ["load", "save", "save_state_dicts", "state_dicts"]
+__all__ = ["load", "other_state", "save", "save_state_dicts", "state_dicts"]

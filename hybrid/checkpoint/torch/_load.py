@@ -148,8 +148,8 @@ def load(path, module: nn.Module, optimizer=None, *, scheduler=None, hyperparame
                               f"the module's own")
     if buffers:
         ckpt.check_buffers({n: tuple(b.shape) for n, b in named_bufs}, what=what)
-    if scheduler is not None and "scheduler" not in ckpt.manifest.run_state:
-        raise CheckpointError(f"{ckpt.path}: holds no LR scheduler state (saved without scheduler=)")
+    if scheduler is not None:
+        ckpt.scheduler_state()  # raises, naming the format read, where it holds none
     plan = saved_ddp_plan(ckpt, module) if restore_buckets else None
     ckpt.verify()
     params = ckpt.tensors("params")

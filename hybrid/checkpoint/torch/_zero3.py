@@ -121,8 +121,8 @@ def load_zero3(path, model, optimizer, *, scheduler, hyperparameters: str, buffe
             raise CheckpointError(f"{ckpt.path}: holds no buffers, but the model has {[n for n, _ in named_bufs]}: "
                                   f"load with buffers=False to keep the module's own")
         ckpt.check_buffers({n: tuple(b.shape) for n, b in named_bufs}, what="ZeRO3")
-    if scheduler is not None and "scheduler" not in ckpt.manifest.run_state:
-        raise CheckpointError(f"{ckpt.path}: holds no LR scheduler state (saved without scheduler=)")
+    if scheduler is not None:
+        ckpt.scheduler_state()  # raises, naming the format read, where it holds none
     reshard = ckpt.reshard_to(model.shards)
     ckpt.verify(reshard.sources(model.rank))
     new_state, new_groups = None, None
