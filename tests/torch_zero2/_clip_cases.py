@@ -110,8 +110,8 @@ def assert_clips_as_torch(opt, gather, norm_type: float, what: str) -> dict[str,
     got = opt.clip_grad_norm_(max_norm, norm_type)
     assert got.dtype == want.dtype, f"{what}: norm dtype {got.dtype} != torch's {want.dtype}"
     err, torch_err = abs(got.item() - exact) / exact, abs(want.item() - exact) / exact
-    assert err <= max(1e-6, torch_err), \
-        f"{what}: norm {got.item():.9g}, float64 {exact:.9g} (relative {err:.2e}), torch {want.item():.9g} ({torch_err:.2e})"
+    assert err <= max(1e-6, torch_err), (f"{what}: norm {got.item():.9g}, float64 {exact:.9g} (relative {err:.2e}), "
+                                         f"torch {want.item():.9g} ({torch_err:.2e})")
     # torch's scale factor, from our norm: the clipped gradients must be these, bit for bit; and
     # torch's own clipping within the two norms' difference plus two float32 roundings.
     coef = torch.clamp(max_norm / (got + 1e-6), max=1.0)

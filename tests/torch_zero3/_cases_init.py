@@ -11,7 +11,6 @@ allocator counter) is bounded by this rank's slices plus the largest parameter a
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -89,7 +88,17 @@ class Revisits(nn.Module):
 
 
 def revisits(rank: int, world_size: int) -> None:
-    _same_as_cpu_build(Revisits, lambda m: m.init_weights, zero3={"bucket_cap_mb": 1e-4})
+    """Equal to the CPU build; ``a.weight`` read twice after others (gathered back twice: a
+    collective at every world size above 1), ``a.bias`` overwritten whole (not gathered)."""
+    from hybrid.torch.zero.zero3 import _init_whole
+
+    gathered, gather = [], _init_whole._Gatherer.gather
+    _init_whole._Gatherer.gather = lambda self, e: (gathered.append(e.name), gather(self, e))[1]
+    try:
+        _same_as_cpu_build(Revisits, lambda m: m.init_weights, zero3={"bucket_cap_mb": 1e-4})
+    finally:
+        _init_whole._Gatherer.gather = gather
+    assert gathered == ["a.weight", "a.weight"], gathered
 
 
 class _Forgets(nn.Linear):

@@ -46,6 +46,14 @@ class _Entry:
     unset: bool = False  # materialised for a whole-model initialiser: its first use must overwrite it
 
 
+def call_name(func) -> str:
+    """The name of what a ``TorchFunctionMode`` is asked to run (a property's, for its ``__get__``)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
 def _swap(t: torch.Tensor, device: torch.device | str) -> None:
     """Give ``t`` (the same Python object: modules and ZeRO3 keep it) uninitialised memory on
     ``device`` (or the meta device)."""
@@ -81,10 +89,7 @@ class _Units(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__":
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
-        if name not in _METADATA:
+        if call_name(func) not in _METADATA:
             for t in tree_flatten((args, kwargs))[0]:
                 e = self.entries.get(id(t)) if isinstance(t, torch.Tensor) else None
                 if e is not None and e.status != "live" and e.tensor.is_meta:

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from hybrid.core import FlatShardPlan
 from hybrid.torch.zero.zero3._init_tensors import (_METADATA, _Entry, _Units, _Writes, _describe, _finish, _swap,
-                                                    _use_rank0_rng)
+                                                    _use_rank0_rng, call_name)
 
 # Metadata a CPU build answers otherwise than the meta device: asking it is a use (materialises the
 # tensor), as nn.init.trunc_normal_ does nothing to a tensor that answers is_meta.
@@ -65,13 +65,6 @@ def is_whole_model_initialiser(init_fn: Callable) -> bool:
     return True
 
 
-def _call_name(func) -> str:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
 class _WholeModel(_Units):
     """The materialising mode for one whole-model call: parameters come and go as it uses them."""
 
@@ -88,7 +81,7 @@ class _WholeModel(_Units):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _call_name(func)
+        name = call_name(func)
         if name not in _NO_USE:
             used = []
             for t in tree_flatten((args, kwargs))[0]:
@@ -101,9 +94,11 @@ class _WholeModel(_Units):
             if any(e.spec is not None for e in used):
                 for e in [e for e in self.live if e.spec is not None and e not in used and not _aliased(e.tensor)]:
                     self.finish(e)
+            # What the call writes: a method's self, or nn.init's tensor= (handle_torch_function's keyword).
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
             for e in used:
                 if e.tensor.is_meta:
-                    self.back(e, name in _WHOLE_OVERWRITES and bool(args) and args[0] is e.tensor)
+                    self.back(e, name in _WHOLE_OVERWRITES and target is e.tensor)
         return func(*args, **kwargs)
 
 
