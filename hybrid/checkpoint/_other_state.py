@@ -96,5 +96,33 @@ def nest(entries, into: dict | None = None) -> dict:
     return out
 
 
+def flatten(nested: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    """``[(path, value)]`` of a nested dict, as DCP flattens a state dict (dicts are walked, the
+    rest are values); :func:`nest`'s inverse.
+
+    >>> flatten({"dataloader": {"world_size": 2}, "epoch": 3})
+    [(('dataloader', 'world_size'), 2), (('epoch',), 3)]
+    """
+    out = []
+    for key, value in nested.items():
+        if isinstance(value, dict) and value:
+            out += flatten(value, (*prefix, key))
+        else:
+            out.append(((*prefix, key), value))
+    return out
+
+
+def carried(entries, *, source: str, where: str) -> dict:
+    """The manifest's ``run_state["carried"]`` for ``[(path, value)]``; a value that is not plain
+    data is a ValueError naming its path."""
+    encoded = []
+    for path, value in entries:
+        try:
+            encoded.append({"path": list(path), "value": encode(value)})
+        except TypeError as e:
+            raise ValueError(f"{where}: {dotted(path)!r} is {e}") from None
+    return {"from": source, "entries": encoded}
+
+
 def dotted(path) -> str:
     return ".".join(map(str, path))

@@ -242,3 +242,36 @@ def test_the_error_for_no_scheduler_names_the_format_read(tmp_path):
     with pytest.raises(CheckpointError, match=r"this hybrid checkpoint holds no LR scheduler state \(saved without "
                                               r"scheduler=\)"):
         load(tmp_path / "hybrid", *resumed[:2], scheduler=resumed[2])
+
+
+def test_a_torchtitan_run_trains_in_hybrid_and_goes_back(tmp_path):
+    """Resumed in hybrid (its data loader and train state from other_state), one step, saved by
+    hybrid with other_state= and the torchtitan layout; converted to DCP, torchtitan's own dcp.load
+    resumes it: the step taken in hybrid, the scheduler, the data loader's position and the train
+    state all arrive."""
+    original = _torchtitan_checkpoint(tmp_path / "dcp")
+    model, opt, sched = _run(seed=1)
+    load(tmp_path / "dcp", model, opt, scheduler=sched)
+    other = other_state(tmp_path / "dcp")
+    loader, train_state = _Loader(), _TrainState()
+    loader.load_state_dict(other["dataloader"])
+    train_state.load_state_dict(other["train_state"])
+    _step(model, opt, sched, 2)
+    _step(*original, 2)
+    loader.position += 32
+    train_state.step += 1
+    layout = open_checkpoint(tmp_path / "dcp").manifest.metadata["dcp_layout"]
+    save(tmp_path / "hybrid", model, opt, step=3, scheduler=sched, world_size=2, metadata={"dcp_layout": layout},
+         other_state={"dataloader": loader.state_dict(), "train_state": train_state.state_dict()})
+    convert(tmp_path / "hybrid", tmp_path / "back", to="dcp")
+    model2, opt2, sched2, loader2, train_state2 = _torchtitan_load(tmp_path / "back")
+    _assert_same_run(original, (model2, opt2, sched2))
+    assert loader2.position == 96 and (train_state2.step, train_state2.ntokens) == (3, 128)
+    assert torch.equal(train_state2.losses, torch.tensor([2.5, 2.25]))
+
+
+def test_other_state_that_is_not_plain_data_is_refused_before_anything_is_written(tmp_path):
+    model, opt, sched = _run()
+    with pytest.raises(ValueError, match=r"other_state: 'dataloader.sampler' is a builtins.object"):
+        save(tmp_path / "hybrid", model, opt, step=0, other_state={"dataloader": {"sampler": object()}})
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,25 @@ import os
 import torch
 
 
+def carried_of(nested: dict, *, where: str) -> dict:
+    """The manifest's ``run_state["carried"]`` for a nested dict of plain data and torch tensors
+    (``save(..., other_state=)``); a value that is neither is a ValueError naming it."""
+    from hybrid.checkpoint._other_state import Tensor, carried, flatten
+    from hybrid.checkpoint.torch._dtypes import to_numpy
+    from hybrid.core import canonical_dtype
+
+    def stored(v):
+        if isinstance(v, torch.Tensor):
+            return Tensor(canonical_dtype(v.dtype), to_numpy(v).reshape(tuple(v.shape)).copy())
+        if isinstance(v, (list, tuple)):
+            return type(v)(stored(x) for x in v)
+        if isinstance(v, dict):
+            return {k: stored(x) for k, x in v.items()}
+        return v
+
+    return carried([(p, stored(v)) for p, v in flatten(nested)], source="hybrid", where=where)
+
+
 def other_state(path: str | os.PathLike, *, format: str | None = None) -> dict:
     """The entries a checkpoint (hybrid's, or a torch DCP directory) carries for the run, nested
     as saved: ``{"dataloader": {...}, "train_state": {...}}`` for torchtitan's, ``{}`` for none.

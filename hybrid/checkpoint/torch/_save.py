@@ -29,7 +29,7 @@ from hybrid.checkpoint.torch._state import (
 
 def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: int, process_group=None,
          world_size: int | None = None, scheduler=None, state: dict | None = None,
-         metadata: dict | None = None) -> Manifest | None:
+         metadata: dict | None = None, other_state: dict | None = None) -> Manifest | None:
     """Save ``module``'s parameters and buffers, ``optimizer``'s state and hyperparameters, the LR
     ``scheduler``'s state and the user's ``state`` as a sharded checkpoint.
 
@@ -56,6 +56,10 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
       state: JSON-serializable run state (data-loader position, seeds, epoch), given back by
         :func:`hybrid.checkpoint.read_state`.
       metadata: JSON-able extras recorded in the manifest.
+      other_state: the rest of the run as ``Stateful`` objects give it, nested (a torchtitan run's
+        ``{"dataloader": loader.state_dict(), "train_state": ...}``: bytes, numbers, tensors):
+        carried, given back by :func:`hybrid.checkpoint.torch.other_state` and written where it
+        was by ``convert(..., to="dcp")``.
 
     >>> import torch, tempfile, os
     >>> model = torch.nn.Linear(3, 2)
@@ -72,7 +76,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
         return save_zero3(path, module, optimizer, step=step, extras=dict(
             metadata=metadata, buffers={n: _numpy(b) for n, b in named_buffers(module)},
             buffer_dtypes=logical_dtypes(named_buffers(module)),
-            run_state=_run_state(scheduler, state)))
+            run_state=_run_state(scheduler, state, other_state, path)))
     named = named_parameters(module)
     name_of = {id(p): n for n, p in named}
     plan = plan_buckets(_specs(named))
@@ -80,7 +84,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
     if distributed and world_size is not None and world_size != dist.get_world_size(process_group):
         raise ValueError(f"save: world_size={world_size} given, but the process group has "
                          f"{dist.get_world_size(process_group)} ranks; each rank writes its own file")
-    run_state = _run_state(scheduler, state)
+    run_state = _run_state(scheduler, state, other_state, path)
     buckets = ddp_buckets(module)
     if buckets is not None:  # for load(..., restore_buckets=True)
         run_state[DDP_PLAN_KEY] = buckets
@@ -109,8 +113,11 @@ def _describer(optimizer, named, name_of, step):
     return lambda counts, holders: optimizer_info(name, expected, hyper, names, counts, holders, sgd_count=step)
 
 
-def _run_state(scheduler, state) -> dict:
+def _run_state(scheduler, state, other_state=None, path=None) -> dict:
     out = {}
+    if other_state:  # checked, like everything else, before anything is written
+        from hybrid.checkpoint.torch._other_state import carried_of
+        out["carried"] = carried_of(other_state, where=f"save {path}: other_state")
     if state is not None:
         out["state"] = check_json(dict(state), "state")
     if scheduler is not None:
