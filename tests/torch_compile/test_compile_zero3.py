@@ -6,8 +6,11 @@ graphs it compiles, so no other file's compiles may share the processes (and the
 world sizes, 1-3, are not ``test_compile_dist``'s 2).
 """
 
+import doctest
+
 import pytest
 
+from hybrid.torch.zero.zero3 import _units
 from tests.torch_compile import _zero3_cases
 from tests.torch_zero import _harness
 
@@ -28,3 +31,9 @@ def world_results():
 def test_case(world_results, world_size, case_id):
     errors = world_results(world_size)[case_id]
     assert not errors, "\n".join(errors)
+
+
+def test_units_doctest():
+    """Which modules carry the hooks, eager and compiled (``select_units``'s examples)."""
+    result = doctest.testmod(_units)
+    assert result.attempted > 0 and result.failed == 0

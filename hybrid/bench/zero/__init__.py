@@ -5,6 +5,7 @@
     _zero3            the stage-3 part: ZeRO-3 beside DDP, FSDP2, ZeRO-1 and ZeRO-2
     _zero3_budget     ``--part budget``: a meta-built model no rank can hold, under a per-rank budget
     _zero3_budget_jax its JAX side, run as ``python -m hybrid.bench.zero._zero3_budget_jax``
+    _zero3_compile    ``--part compile``: compiled ZeRO3 beside compiled FSDP2 (a Llama, blocks compiled)
 
 With ``--device`` it times GPT training steps instead (``hybrid.bench.gpt``).
 """

@@ -189,12 +189,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 25; --device: 20)")
     parser.add_argument("--widths", type=str, default=None,
                         help="comma-separated layer widths of the MLP (default 1536,2048,1024,1536,768)")
-    parser.add_argument("--part", choices=("all", "1-2", "3", "budget"), default="all",
+    parser.add_argument("--part", choices=("all", "1-2", "3", "budget", "compile"), default="all",
                         help="the ZeRO-1/2 part, the stage-3 part, both (default), or the model no rank can hold "
-                             "(budget: from a meta-device build, beside FSDP2's, and the JAX side); --device: ZeRO-1 "
+                             "(budget: from a meta-device build, beside FSDP2's, and the JAX side), or compiled ZeRO3 "
+                             "beside compiled FSDP2 (compile: a Llama, blocks compiled before wrapping); --device: ZeRO-1 "
                              "against torch's, ZeRO3 against FSDP2, or both")
     parser.add_argument("--worlds", type=str, default=None,
-                        help="world sizes of the stage-3 part (default 2,3) or of the budget part (default 2,3,4)")
+                        help="world sizes of the stage-3 part (default 2,3), of the budget part (default 2,3,4) or "
+                             "of the compile part (default 2)")
     gpt.add_arguments(parser)
     args = parser.parse_args(argv)
     bench = gpt.config_from_args(parser, args)
@@ -213,7 +215,35 @@ def main(argv: list[str]) -> int:
         _stage3(args, reps)
     if args.part == "budget":
         _budget(args, reps)
+    if args.part == "compile":
+        _compiled(args, reps)
     return 0
+
+
+def _run_worlds(worker, worlds: tuple[int, ...], models: dict, tag: str, *args) -> dict:
+    """Spawn ``worker(rank, world, port, outdir, models, *args)`` in each world; returns
+    ``{(model, world): [each rank's result]}``, read from the ``{tag}-world{world}-rank{r}.pt`` it saves."""
+    outdir = tempfile.mkdtemp(prefix=f"hybrid_bench_{tag}_")
+    results = {}
+    for world in worlds:
+        mp.spawn(worker, args=(world, free_port(), outdir, models, *args), nprocs=world, join=True)
+        ranks = [torch.load(os.path.join(outdir, f"{tag}-world{world}-rank{r}.pt")) for r in range(world)]
+        results.update({(model, world): ranks for model in models})
+    return results
+
+
+def _compiled(args, reps: int) -> None:
+    from hybrid.bench.zero import _zero3_compile as compiled
+
+    worlds = tuple(int(w) for w in (args.worlds or "2").split(","))
+    models = compiled.QUICK_MODELS if args.quick else compiled.MODELS
+    results = _run_worlds(compiled.worker, worlds, models, "compile", reps, 2)
+    print("\n# compiled ZeRO3 beside compiled FSDP2: Llama (hybrid.models), blocks compiled before wrapping "
+          f"(inductor), AdamW, batch {compiled.BATCH}, gloo")
+    for model in models:
+        print(f"{model}: {results[(model, worlds[0])][0][model]['params']} parameters (float32)")
+    print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
+    print(compiled.report(results))
 
 
 def _stage3(args, reps: int) -> None:
@@ -221,12 +251,7 @@ def _stage3(args, reps: int) -> None:
 
     worlds = tuple(int(w) for w in (args.worlds or "2,3").split(","))
     models = _zero3.QUICK_MODELS if args.quick else _zero3.MODELS
-    outdir = tempfile.mkdtemp(prefix="hybrid_bench_zero3_")
-    results = {}
-    for world in worlds:
-        mp.spawn(_zero3.worker, args=(world, free_port(), outdir, models, 32, reps, 3), nprocs=world, join=True)
-        ranks = [torch.load(os.path.join(outdir, f"stage3-world{world}-rank{r}.pt")) for r in range(world)]
-        results.update({(model, world): ranks for model in models})
+    results = _run_worlds(_zero3.worker, worlds, models, "stage3", 32, reps, 3)
     print("\n# stage 3: ZeRO3 beside DDP, FSDP2 (fully_shard per layer), ZeRO-1 and ZeRO-2, Adam, batch 32, gloo")
     for model, widths in models.items():
         n = sum(a * b + b for a, b in zip(widths, widths[1:]))
