@@ -9,7 +9,7 @@ from hybrid.jax._grad import local_grad
 from hybrid.jax._multi_steps import MultiSteps
 from hybrid.jax._ready import gradient_ready_order
 from hybrid.jax.sharded._init import abstract_shards, init_shards
-from hybrid.jax.sharded._offload import OffloadedZero3
+from hybrid.jax.sharded.offload import OffloadedZero3
 from hybrid.jax.sharded._params import ParamShards, gather_params, gathered, shard_params, unshard_params
 from hybrid.jax._specs import key_path_name, specs
 from hybrid.jax._state_specs import state_specs

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from hybrid.jax._decisions import total as across
 from hybrid.jax.sharded._on_shards import running_on_shards
 from hybrid.jax._specs import axis_size, tracks_varying, varying_axes
 
@@ -59,7 +60,8 @@ def clip_by_global_norm(max_norm: float, axis_name) -> optax.GradientTransformat
         del params
         axis_size(axis_name, "clip_by_global_norm")
         sharded, whole = _squares(updates, axis_name, "clip_by_global_norm")
-        total = sum(whole) + (jax.lax.psum(sum(sharded), axis_name) if sharded else 0)
+        # psum of the shards' part; where buckets step apart (OffloadedZero3), every bucket's too
+        total = sum(whole) + (across("clip_by_global_norm", sum(sharded), axis_name) if sharded else 0)
         g_norm = jnp.sqrt(total)
         trigger = g_norm < max_norm
         updates = jax.tree_util.tree_map(

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from hybrid.jax._decisions import measuring_now, total as across
 from hybrid.jax._specs import axis_size
 
 
@@ -42,16 +43,20 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
     def update_fn(updates, state, params=None):
         axis_size(axis_name, "apply_if_finite")
         local = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(updates)]))
-        isfinite = jax.lax.psum(jnp.logical_not(local).astype(jnp.int32), axis_name) == 0
+        # summed over the axis; where buckets step apart (OffloadedZero3), over every bucket too
+        isfinite = across("apply_if_finite", jnp.logical_not(local).astype(jnp.int32), axis_name) == 0
         notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32),
                                     optax.safe_increment(state.notfinite_count))
 
         def reject(_):
             return jax.tree_util.tree_map(jnp.zeros_like, updates), state.inner_state
 
-        updates, inner_state = jax.lax.cond(
-            jnp.logical_or(isfinite, notfinite_count > max_consecutive_errors),
-            lambda _: inner.update(updates, state.inner_state, params), reject, None)
+        if measuring_now():  # only the decisions' sums count; a cond's branch could not hand them out
+            updates, inner_state = inner.update(updates, state.inner_state, params)
+        else:
+            updates, inner_state = jax.lax.cond(
+                jnp.logical_or(isfinite, notfinite_count > max_consecutive_errors),
+                lambda _: inner.update(updates, state.inner_state, params), reject, None)
         total = jnp.where(isfinite, state.total_notfinite, optax.safe_increment(state.total_notfinite))
         return updates, optax.ApplyIfFiniteState(notfinite_count=notfinite_count, last_finite=isfinite,
                                                  total_notfinite=total, inner_state=inner_state)

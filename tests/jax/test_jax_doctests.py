@@ -12,7 +12,7 @@ import pytest
                                   "hybrid.jax.sharded._zero", "hybrid.jax._cost_probe", "hybrid.jax._ready",
                                   "hybrid.jax.sharded._params", "hybrid.jax.sharded._init", "hybrid.jax._auto",
                                   "hybrid.jax.sharded._axis_aware", "hybrid.jax.sharded._xla_flags",
-                                  "hybrid.jax.sharded._offload"])
+                                  "hybrid.jax.sharded.offload._optimizer", "hybrid.jax.sharded.offload._probe"])
 def test_module_doctests(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0 and result.failed == 0

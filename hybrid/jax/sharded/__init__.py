@@ -3,7 +3,7 @@ slices), stage 3's parameters as slices (``ParamShards``, ``shard_params``, ``ga
 ``gathered``), stage 3 with its optimizer state in files (``OffloadedZero3``), and the masks and partitions an inner optax transform sees on slices."""
 
 from hybrid.jax.sharded._init import abstract_shards, init_shards
-from hybrid.jax.sharded._offload import OffloadedZero3
+from hybrid.jax.sharded.offload import OffloadedZero3
 from hybrid.jax.sharded._params import ParamShards, gather_params, gathered, shard_params, unshard_params
 from hybrid.jax.sharded._slices import ZeroState
 from hybrid.jax.sharded._zero import zero

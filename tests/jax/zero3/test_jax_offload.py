@@ -103,13 +103,68 @@ def test_the_devices_hold_no_state_between_steps(tmp_path):
     assert opt.offloaded_bytes() >= 2 * 4 * padded  # mu and nu of every slice, in files
 
 
+def test_global_norm_clip_steps_as_zero_stage3(tmp_path):
+    """optax's chain as users write it, its clip split as DeepSpeed's offload splits it: every
+    bucket's squared norm first, then each bucket stepped with the global factor. A max norm of
+    0.05 clips on every step (the gradients' norm is 0.3-1), so a per-bucket norm would show."""
+    INNER["clip_adam"] = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    try:
+        _, _, history = _offloaded_run("clip_adam", 4, tmp_path)
+        for i, (got, want) in enumerate(zip(history, _resident_run("clip_adam", 4))):
+            assert_trees_close(got, want, rtol=RTOL, atol=ATOL, what=f"against zero(stage=3), step {i}")
+        for i, (got, want) in enumerate(zip(history, reference(INNER["clip_adam"](), make_params(), NUM_STEPS))):
+            assert_trees_close(got, want, rtol=RTOL, atol=ATOL, what=f"against optax, step {i}")
+    finally:
+        del INNER["clip_adam"]
+
+
+def test_apply_if_finite_skips_every_bucket_at_once(tmp_path):
+    """One NaN in one bucket's gradient skips the step on every bucket, as zero(stage=3) does; the
+    counters match; a finite step after it updates all buckets."""
+    mesh = mesh_of(4)
+    make = lambda: hj.apply_if_finite(optax.chain(hj.clip_by_global_norm(0.05, "dp"), optax.adam(1e-2)), 3, "dp")
+    shards = cut(make_params(), mesh)
+    opt = hj.OffloadedZero3(make(), mesh, "dp", tmp_path)
+    opt.init(shards)
+    tx = hj.zero(make(), "dp", stage=3)
+    specs = hj.state_specs(tx, shards, "dp", axis_size=4)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))
+
+    def resident_step(shards, state, grads):
+        u, state = tx.update(grads, state, shards)
+        return optax.apply_updates(shards, u), state
+
+    resident_step = jax.jit(jax.shard_map(resident_step, mesh=mesh, in_specs=(P("dp"), specs, P("dp")),
+                                          out_specs=(P("dp"), specs)))
+    grad, resident, state = _grad_program(mesh, shards), shards, init(shards)
+    for i in range(4):
+        g = grad(shards, *make_batch(i))
+        if i == 1:  # a NaN in the last bucket alone
+            last = g.buckets[-1].at[0].set(np.nan)
+            g = hj.ParamShards((*g.buckets[:-1], last), g.layout)
+        before = [np.asarray(b) for b in shards.buckets]
+        copy = jax.tree.map(lambda a: a.copy(), g)
+        resident, state = resident_step(resident, state, copy)
+        shards = opt.step(shards, g)
+        if i == 1:
+            assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, shards.buckets))
+        assert_trees_close(hj.unshard_params(shards), hj.unshard_params(resident), rtol=RTOL, atol=ATOL,
+                           what=f"step {i}")
+    saved = opt.zero_state().inner
+    assert int(saved.total_notfinite) == int(state.inner.total_notfinite) == 1
+
+
 @pytest.mark.parametrize("inner,culprit", [
-    (lambda: optax.chain(hj.clip_by_global_norm(1.0, "dp"), optax.adam(1e-2)), "global-norm clip"),
-    (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), "global-norm clip"),
-    (lambda: hj.apply_if_finite(optax.adam(1e-2), 3, "dp"), "non-finite"),
+    # the clip after adam's scaling: its norm needs every bucket's new state before any bucket steps
+    (lambda: optax.chain(optax.scale_by_adam(), hj.clip_by_global_norm(1.0, "dp"), optax.scale(-1e-2)),
+     "a stateful transform before it.*Put it first in the chain"),
+    # a global statistic hybrid does not know how to sum over buckets (exact on zero's slices)
+    (lambda: optax.stateless(lambda u, p: jax.tree.map(
+        lambda x: x / jax.lax.psum(sum(jax.numpy.sum(y) for y in jax.tree.leaves(u)), "dp"), u)),
+     "cannot be split.*takes no decision hybrid knows"),
 ])
-def test_a_transform_deciding_over_all_buckets_is_refused(inner, culprit, tmp_path):
-    with pytest.raises(ValueError, match=f"decides over all buckets at once.*{culprit}"):
+def test_a_transform_that_cannot_be_split_is_refused_saying_why(inner, culprit, tmp_path):
+    with pytest.raises(ValueError, match=culprit):
         hj.OffloadedZero3(inner(), mesh_of(2), "dp", tmp_path)
 
 

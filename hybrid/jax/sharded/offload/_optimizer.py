@@ -11,9 +11,14 @@ parameter slices, the gradient slices and one bucket's state.
 Stepping bucket by bucket gives every bucket a state of its own (the inner transform initialised
 on that bucket's slice alone): for elementwise transforms, masks and partitions (rewritten per
 bucket, as ``zero`` rewrites them per element) it is the same arithmetic as ``zero``'s one update
-over all buckets. Transforms that decide over all buckets at once (``hybrid.jax.clip_by_global_norm``,
-``hybrid.jax.apply_if_finite``) are not: a probe runs the inner transform on two buckets together
-and apart and refuses one whose updates differ.
+over all buckets. Transforms that decide over all buckets at once are split as DeepSpeed's offload
+splits its global-norm clip: a step first runs each bucket's part of every such decision
+(``hybrid.jax.clip_by_global_norm``'s sum of squares, ``hybrid.jax.apply_if_finite``'s count of
+non-finite shards; ``optax.clip_by_global_norm`` in a chain becomes the former, as in ``zero``),
+sums them over the buckets, and then steps each bucket with the totals (``hybrid.jax._decisions``).
+That is exact where the decisions see the gradients (first in the chain). A probe runs the inner
+transform on two buckets together and stepped apart so, and refuses one whose updates differ,
+saying why.
 
 On XLA:CPU a state array put on a device from its file is the file's memory (no copy), so only the
 new state the update writes is extra; the kernel's page cache may keep the files' pages in RAM
@@ -30,17 +35,15 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybrid.core._state_dir import offload_directory
-from hybrid.jax._elementwise import _probe_inputs, relative_difference
+from hybrid.jax._decisions import applying, measuring
 from hybrid.jax.sharded._axis_aware import axis_aware
-from hybrid.jax.sharded._masks import Binder, ProbeBinder, bind, contains_masks
+from hybrid.jax.sharded._masks import Binder, bind, contains_masks
 from hybrid.jax.sharded._on_shards import on_shards
 from hybrid.jax.sharded._params import ParamShards
-from hybrid.jax.sharded._state_files import BucketFile
+from hybrid.jax.sharded.offload._probe import check_per_bucket, count_decisions
+from hybrid.jax.sharded.offload._state_files import BucketFile
 from hybrid.jax.sharded._slices import ZeroState, check_inner, shard_key
 from hybrid.jax.sharded._zero import zero
-
-_PROBE_RTOL = 1e-6  # apart and together, an elementwise transform computes the same numbers
-
 
 class _OneBucket:
     """A :class:`Binder`'s masks and labels for bucket ``b`` alone (a 1-tuple per call)."""
@@ -53,50 +56,6 @@ class _OneBucket:
 
     def labels(self, param_labels, keys: list) -> tuple:
         return (self.binder.labels(param_labels, keys)[self.b],)
-
-
-def _per_bucket_difference(inner, axis_name) -> float:
-    """Largest difference between ``inner`` run on two buckets together and on each one alone,
-    relative to the largest update (``inf`` where NaNs land differently)."""
-    params, grads = _probe_inputs()
-
-    def run(params, grads):
-        tx = bind(inner, ProbeBinder(axis_name, len(params), params[0].shape[0])) if contains_masks(inner) else inner
-        state, out = tx.init(params), []
-        for g in grads:
-            u, state = tx.update(g, state, params)
-            out.append(u)
-        return out
-
-    def one(fn, *args):
-        return jax.vmap(fn, in_axes=None, axis_size=1, axis_name=axis_name)(*args)
-
-    with jax.ensure_compile_time_eval(), on_shards(axis_name):
-        together = one(run, params, grads)
-        apart = [one(run, (params[i],), [(g[i],) for g in grads]) for i in range(len(params))]
-    return max((relative_difference(a, apart[i][step][0]) for step, whole in enumerate(together)
-                for i, a in enumerate(whole)), default=0.0)
-
-
-def check_per_bucket(inner: optax.GradientTransformation, axis_name) -> None:
-    """Raise a ValueError if stepping ``inner`` one bucket at a time differs from one update of all.
-
-    >>> import optax
-    >>> check_per_bucket(optax.adamw(1e-3), "dp")
-    >>> from hybrid.jax import clip_by_global_norm
-    >>> check_per_bucket(optax.chain(clip_by_global_norm(1.0, "dp"), optax.adam(1e-3)), "dp")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: OffloadedZero3: the inner transform decides over all buckets at once: ...
-    """
-    diff = _per_bucket_difference(inner, axis_name)
-    if diff > _PROBE_RTOL:
-        raise ValueError(
-            f"OffloadedZero3: the inner transform decides over all buckets at once: stepped one bucket at a "
-            f"time its update differs by {diff:.3g} of its largest element (a global-norm clip sees one "
-            f"bucket's norm, a skip on non-finite gradients one bucket's). Step such a transform with "
-            f"hybrid.jax.zero(inner, axis, stage=3), which keeps its state on the devices, or pass "
-            f"check_elementwise=False if you accept the difference")
 
 
 class _BucketState(NamedTuple):
@@ -155,6 +114,7 @@ class OffloadedZero3:
         if check_elementwise:
             check_per_bucket(inner, axis_name)
         self.inner, self.mesh, self.axis_name, self.mean = inner, mesh, axis_name, mean
+        self._decisions = count_decisions(inner, axis_name)  # global clips and skips: measured before each step
         self._layout = None
         self._buckets: list[_BucketState] = []
         self._files: list[BucketFile] = []
@@ -194,19 +154,28 @@ class OffloadedZero3:
             def init(p):
                 return jax.tree.leaves(self._init_local(b, p))
 
-            def update(p, g, leaves):
+            def measure(p, g):  # this bucket's part of every global decision, from the gradients alone
+                g = g / n if self.mean else g
+                tx = self._bucket_tx(b)
+                with on_shards(axis), measuring() as recorded:
+                    tx.update((g,), tx.init((p,)), (p,))
+                return [v for _, v in recorded]
+
+            def update(p, g, leaves, totals):
                 state = jax.tree.unflatten(meta.treedef, leaves)
                 g = g / n if self.mean else g  # as zero(..., stage=3): the backward summed over the axis
-                with on_shards(axis):
+                with on_shards(axis), applying(totals):
                     u, state = self._bucket_tx(b).update((g,), state, (p,))
                 (p,) = optax.apply_updates((p,), u)
                 return p, jax.tree.leaves(state)
 
-            shard = PartitionSpec(axis)
+            shard, totals = PartitionSpec(axis), [PartitionSpec()] * self._decisions
             if kind == "init":
                 program = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=shard, out_specs=meta.specs))
+            elif kind == "measure":
+                program = jax.jit(jax.shard_map(measure, mesh=self.mesh, in_specs=(shard, shard), out_specs=totals))
             else:
-                program = jax.jit(jax.shard_map(update, mesh=self.mesh, in_specs=(shard, shard, meta.specs),
+                program = jax.jit(jax.shard_map(update, mesh=self.mesh, in_specs=(shard, shard, meta.specs, totals),
                                                 out_specs=(shard, meta.specs)), donate_argnums=(0, 1, 2))
             self._programs[key] = program
         return self._programs[key]
@@ -253,10 +222,14 @@ class OffloadedZero3:
             raise ValueError(f"OffloadedZero3.step: the gradients must be ParamShards of the shards' plan "
                              f"{shards.layout!r} (jax.grad through hybrid.jax.gathered), got "
                              f"{getattr(grads, 'layout', type(grads).__name__)!r}")
+        totals = []
+        if self._decisions:  # every bucket's part of the global clip / skip first, as DeepSpeed's offload
+            parts = [self._program(b, "measure")(shards.buckets[b], grads.buckets[b]) for b in range(len(self._buckets))]
+            totals = [sum(column) for column in zip(*parts)]
         new = []
         for b, meta in enumerate(self._buckets):
             state = self._files[b].read(meta.shardings, meta.shapes)
-            p, state = self._program(b, "update")(shards.buckets[b], grads.buckets[b], state)
+            p, state = self._program(b, "update")(shards.buckets[b], grads.buckets[b], state, totals)
             self._files[b].write(state)  # waits for the update; its device arrays go with `state`
             new.append(p)
             del state
