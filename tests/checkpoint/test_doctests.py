@@ -10,7 +10,8 @@ MODULES = ["hybrid.checkpoint._files", "hybrid.checkpoint._shard_file", "hybrid.
            "hybrid.checkpoint.jax._load",
            "hybrid.checkpoint.jax._optax_groups", "hybrid.checkpoint._leftovers", "hybrid.checkpoint._foreign",
            "hybrid.checkpoint._formats", "hybrid.checkpoint._renamed", "hybrid.checkpoint._convert",
-           "hybrid.checkpoint.dcp._reader", "hybrid.checkpoint.orbax._reader"]
+           "hybrid.checkpoint.dcp._reader", "hybrid.checkpoint.orbax._reader",
+           "hybrid.checkpoint.dcp._records"]
 
 
 @pytest.mark.parametrize("name", MODULES)

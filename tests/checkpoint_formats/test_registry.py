@@ -102,6 +102,7 @@ from hybrid.cli import main
 for argv in json.loads(sys.argv[1]):
     code = main(argv)
     heavy = sorted({m.split(".")[0] for m in sys.modules} & set(json.loads(sys.argv[2])))
+    heavy += ["torch.distributed.checkpoint"] * ("torch.distributed.checkpoint" in sys.modules)
     print("IMPORTED " + json.dumps([code, heavy]), file=sys.stderr)
 """
 
@@ -118,7 +119,9 @@ def _imported_by(*commands) -> list:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_quick_commands_import_what_the_format_needs(tmp_path):
     """One process runs, in turn: info and a convert of hybrid's own (a torch run's, with AdamW
-    state): nothing heavy; then info and a convert of a DCP: torch, never JAX, optax or orbax."""
+    state): nothing heavy; then info and a convert to hybrid of a DCP: torch, never JAX, optax or
+    orbax, nor torch.distributed.checkpoint (its metadata is read into plain records: the package
+    import costs as much again as torch's); then a convert to DCP, which saves with it."""
     import torch
 
     from hybrid.checkpoint import torch as ckpt_torch
@@ -134,5 +137,6 @@ def test_quick_commands_import_what_the_format_needs(tmp_path):
     steps = _imported_by(["checkpoint", "info", h],
                          ["checkpoint", "convert", h, str(tmp_path / "h2"), "--to", "hybrid"],
                          ["checkpoint", "info", d],
-                         ["checkpoint", "convert", d, str(tmp_path / "h3"), "--to", "hybrid"])
-    assert steps == [[0, []], [0, []], [0, ["torch"]], [0, ["torch"]]]
+                         ["checkpoint", "convert", d, str(tmp_path / "h3"), "--to", "hybrid"],
+                         ["checkpoint", "convert", h, str(tmp_path / "d2"), "--to", "dcp"])
+    assert steps == [[0, []], [0, []], [0, ["torch"]], [0, ["torch"]], [0, ["torch", "torch.distributed.checkpoint"]]]

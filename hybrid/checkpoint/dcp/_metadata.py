@@ -4,8 +4,10 @@ torch's own ``FileSystemReader.read_metadata`` unpickles the file with ``pickle.
 downloaded checkpoint's metadata could run any code. Here it is unpickled by an allow-list of the
 classes DCP's ``FileSystemWriter`` writes (the dataclasses of ``torch.distributed.checkpoint
 .metadata``, ``_StorageInfo``, ``torch.Size``, dtypes, the path it records); anything else is
-refused, naming it. Then every file the metadata points at must be a plain name inside the
-directory (no ``/``, no ``..``) and a regular file there (not a link), before anything is read.
+refused, naming it; DCP's own dataclasses come back as plain records of the same fields
+(``_records.py``), so reading metadata never imports ``torch.distributed.checkpoint``. Then every
+file the metadata points at must be a plain name inside the directory (no ``/``, no ``..``) and a
+regular file there (not a link), before anything is read.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import stat
 import torch
 
 from hybrid.checkpoint._manifest import CheckpointError
+from hybrid.checkpoint.dcp._records import record_class
 
 METADATA = ".metadata"
 
@@ -39,6 +42,8 @@ class _Unpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED and module.startswith(_DCP):  # plain records: no torch.distributed.checkpoint
+            return record_class(name)
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise CheckpointError(f"{self.where}: holds a {module}.{name}, which a DCP FileSystemWriter's metadata does "
