@@ -36,8 +36,8 @@ VARIANTS = ("fsdp2_compiled", "hybrid_zero3_compiled", "hybrid_zero3_compiled_wh
 REFERENCE = "fsdp2_compiled"
 ROUND = (*VARIANTS, REFERENCE + "'")
 # (vocab, dim, layers, heads, hidden, sequence length); batch 4
-MODELS = {"llama_3.4M": (2048, 256, 4, 4, 768, 128)}
-QUICK_MODELS = {"llama_0.2M": (256, 64, 2, 4, 192, 32)}
+MODELS = {"llama_4.5M": (2048, 256, 4, 4, 768, 128)}
+QUICK_MODELS = {"llama_0.14M": (256, 64, 2, 4, 192, 32)}
 BATCH = 4
 
 

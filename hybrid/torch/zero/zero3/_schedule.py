@@ -1,7 +1,10 @@
 """When ZeRO-3 gathers, prefetches and frees each bucket, driven by module hooks.
 
-A module *needs* the buckets holding its own parameters (``module._parameters``; a tied parameter
-is needed by every module that holds it) and those declared for it (``external_params``). Its
+The hooks sit on *units* (``_units``): eager, every module holding parameters of its own; under
+``torch.compile``, a block compiled before wrapping, or each block of a model compiled whole, with
+the parameters of every module under it. A unit *needs* the buckets holding those parameters
+(``module._parameters``; a tied parameter is needed by every unit that holds it) and those declared
+for them (``external_params``). Under compile every hook runs as a graph break, never traced. Its
 forward pre-hook gathers them (starting the gathers of the next ``prefetch`` buckets in the forward
 order before waiting) and puts the working parameters (views into the gathered buckets) in the
 module's ``_parameters``; its forward hook puts the user's sharded stand-ins back, and frees a
