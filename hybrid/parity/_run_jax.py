@@ -43,6 +43,11 @@ def _global(tree, mesh: Mesh, spec: P):
     return tree_map(put, tree)
 
 
+def _replicated(params, mesh: Mesh):
+    """The params on every device: any pytree (a flax NNX State too), where batches are dicts and lists."""
+    return jax.tree.map(lambda x: _global(x, mesh, P()), params)
+
+
 def _transform(setup, params, ready, stage: int) -> optax.GradientTransformation:
     inner = setup.optimizer.optax(params)
     if stage == 0:  # DDP alone: every device reduces the whole gradient and runs the optimizer
@@ -63,7 +68,7 @@ def _stage3(setup, mesh: Mesh, num_devices: int):
     tx = hj.zero(setup.optimizer.optax(setup.jax_params), AXIS, stage=3)
     cut = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, AXIS, pairing=setup.pairing), mesh=mesh, in_specs=P(),
                                 out_specs=P(AXIS)))
-    shards = cut(_global(setup.jax_params, mesh, P()))
+    shards = cut(_replicated(setup.jax_params, mesh))
     specs = hj.state_specs(tx, shards, AXIS, axis_size=num_devices)
     loss_of_shards = hj.gathered(loss_fn)  # gathers per bucket; its backward reduce-scatters
 
@@ -98,7 +103,8 @@ def train_jax(setup, *, num_devices: int = 2, stage: int = 1, resume=None, save_
             ready = hj.gradient_ready_order(loss_fn, params, example)
             crossing = dict(mapping=setup.pairing, ready_order=ready)
             init, step = _step(setup, mesh, num_devices, ready, stage)
-            params, fingerprint = _global(params, mesh, P()), plan_fingerprint(setup, ready)
+            # jax.tree.map: the params may be any pytree (a flax NNX State), the batches dicts and lists
+            params, fingerprint = _replicated(params, mesh), plan_fingerprint(setup, ready)
         state = init(params)
         start = 0
         if resume is not None:

@@ -96,7 +96,7 @@ OPT_SPEC = nnx.StateSharding({(lambda path, x: x.ndim > 0): P(AXIS), ...: P()})
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_nnx_optimizer_zero_equals_optax(stage):
+def test_nnx_optimizer_zero_equals_optax(stage, tmp_path):
     model = _model()
     tx = hj.zero(_tx(), AXIS, stage=stage)
 
@@ -119,6 +119,14 @@ def test_nnx_optimizer_zero_equals_optax(stage):
     whole = 2 * sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # Adam's mu and nu
     assert held < whole / 4 + 2 * 4 * len(jax.tree.leaves(optimizer.opt_state))  # 1/4, plus bucket padding
     assert int(optimizer.step[...]) == STEPS
+    if stage == 2:  # the optimizer's own state (its arrays in nnx OptArray variables) saves and loads as it is
+        from hybrid.checkpoint import jax as ckpt_jax
+        path = str(tmp_path / "nnx-optimizer")
+        ckpt_jax.save(path, nnx.state(model, nnx.Param), optimizer.opt_state, step=STEPS, mapping=GPT_MAPPING)
+        params, state, step = ckpt_jax.load(path, nnx.state(model, nnx.Param), optimizer.opt_state, mapping=GPT_MAPPING)
+        assert step == STEPS
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(optimizer.opt_state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_functional_split_merge_under_jax_jit():
