@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import optax
 
-from hybrid.jax.sharded._masks import _children, _optax_kind, _parts, _unwrap, closure_cells
+from hybrid.jax.sharded._masks import _children, _optax_kind, _parts, _unwrap, closure_cells, rebuilt_finite
 
 
 def axis_aware(inner: optax.GradientTransformation, axis_name) -> optax.GradientTransformation:
@@ -43,4 +43,7 @@ def axis_aware(inner: optax.GradientTransformation, axis_name) -> optax.Gradient
         named = [(name, axis_aware(t, axis_name)) for name, t in cells["transforms"]]
         changed = any(a is not b for (_, a), (_, b) in zip(named, cells["transforms"]))
         return optax.named_chain(*named) if changed else inner
+    if kind == "apply_if_finite":  # hybrid.jax.apply_if_finite around the chain users write
+        rewritten = axis_aware(cells["inner"], axis_name)
+        return rebuilt_finite(cells, rewritten) if rewritten is not cells["inner"] else inner
     return inner

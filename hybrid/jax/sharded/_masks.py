@@ -45,6 +45,21 @@ def _optax_kind(fn) -> str | None:
     return fn.__qualname__.split(".<locals>")[0]
 
 
+def _hybrid_kind(fn) -> str | None:
+    """``"apply_if_finite"`` for :func:`hybrid.jax.apply_if_finite`'s update: a wrapper zero looks
+    through as through a chain (its inner transform is rewritten, the wrapper rebuilt around it)."""
+    if callable(fn) and getattr(fn, "__module__", None) == "hybrid.jax._finite" and \
+            getattr(fn, "__qualname__", "").startswith("apply_if_finite.<locals>"):
+        return "apply_if_finite"
+    return None
+
+
+def rebuilt_finite(cells: dict, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """:func:`hybrid.jax.apply_if_finite` of ``cells`` (its closure's) around a rewritten ``inner``."""
+    from hybrid.jax._finite import apply_if_finite  # lazily: _finite is a leaf module, this is not
+    return apply_if_finite(inner, cells["max_consecutive_errors"], cells["axis_name"])
+
+
 def _unwrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     # optax.with_extra_args_support wraps a plain transform's update in a closure over it.
     update = getattr(tx, "update", None)
@@ -55,10 +70,12 @@ def _unwrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 
 
 def _parts(tx):
-    """``(kind, cells)`` of an optax chain, named chain, masked or partition; ``(None, {})`` else."""
+    """``(kind, cells)`` of an optax chain, named chain, masked or partition, or of
+    :func:`hybrid.jax.apply_if_finite`; ``(None, {})`` else."""
     tx = _unwrap(tx)
-    kind = _optax_kind(getattr(tx, "update", None))
-    if kind in ("chain", "named_chain", *MASKING):
+    update = getattr(tx, "update", None)
+    kind = _optax_kind(update) or _hybrid_kind(update)
+    if kind in ("chain", "named_chain", "apply_if_finite", *MASKING):
         cells = {**closure_cells(tx.init), **closure_cells(tx.update)}
         return kind, cells
     return None, {}
@@ -69,7 +86,7 @@ def _children(kind, cells) -> list:
         return [optax.GradientTransformation(i, u) for i, u in zip(cells["init_fns"], cells["update_fns"])]
     if kind == "named_chain":
         return [t for _, t in cells["transforms"]]
-    if kind == "masked":
+    if kind in ("masked", "apply_if_finite"):
         return [cells["inner"]]
     if kind == "partition":
         return list(cells["transforms"].values())
@@ -194,6 +211,8 @@ def bind(tx: optax.GradientTransformation, binder) -> optax.GradientTransformati
         return optax.named_chain(*((name, bind(t, binder)) for name, t in cells["transforms"]))
     if kind == "masked":
         return flat_masked(bind(cells["inner"], binder), binder.masks(cells["mask"]))
+    if kind == "apply_if_finite":
+        return rebuilt_finite(cells, bind(cells["inner"], binder))
     if kind == "partition":
         transforms = {k: bind(t, binder) for k, t in cells["transforms"].items()}
         return _flat_partition(transforms, binder.labels(cells["param_labels"], list(transforms)))

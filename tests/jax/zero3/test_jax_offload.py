@@ -122,7 +122,9 @@ def test_apply_if_finite_skips_every_bucket_at_once(tmp_path):
     """One NaN in one bucket's gradient skips the step on every bucket, as zero(stage=3) does; the
     counters match; a finite step after it updates all buckets."""
     mesh = mesh_of(4)
-    make = lambda: hj.apply_if_finite(optax.chain(hj.clip_by_global_norm(0.05, "dp"), optax.adam(1e-2)), 3, "dp")
+    # the chain as users write it inside hybrid's skip: optax's clip (rewritten) and a masked AdamW
+    make = lambda: hj.apply_if_finite(optax.chain(optax.clip_by_global_norm(0.05),
+                                                  optax.adamw(1e-2, weight_decay=0.1, mask=DECAY)), 3, "dp")
     shards = cut(make_params(), mesh)
     opt = hj.OffloadedZero3(make(), mesh, "dp", tmp_path)
     opt.init(shards)
