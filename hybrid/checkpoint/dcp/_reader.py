@@ -192,7 +192,7 @@ class DcpCheckpoint(ForeignCheckpoint):
                 left_out.append(f"{k} ({e})")
         run_state, scheduler_path = {}, None
         for top in _SCHEDULER_KEYS:
-            mine = {k: v for k, v in values.items() if paths[k][0] == top}
+            mine = {k: v for k, v in values.items() if paths[k][0] == top and len(paths[k]) > 1}
             found = _scheduler_in(nest([(paths[k][1:], v) for k, v in mine.items()])) if mine else None
             if found is None:
                 continue

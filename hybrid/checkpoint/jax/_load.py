@@ -133,7 +133,7 @@ def load_buffers(path, buffers, *, format: str | None = None):
     from hybrid.checkpoint.jax._tree import check_jax_dtypes
     check_jax_dtypes({n: e["dtype"] for n, e in ckpt.manifest.buffers.items()},
                      {n: np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype for n, x in zip(names, leaves)},
-                     where=str(ckpt.path), what="buffer")
+                     where=str(ckpt.path), what="buffer", converts_64=True)
     saved = ckpt.buffers()
     return jax.tree_util.tree_unflatten(treedef, [_like(saved[n], x) for n, x in zip(names, leaves)])
 

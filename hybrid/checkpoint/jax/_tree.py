@@ -132,10 +132,13 @@ def jax_lacks(dtype: str) -> str | None:
     return None
 
 
-def check_jax_dtypes(dtypes: dict[str, str], wanted, *, where: str, what: str = "tensor") -> None:
+def check_jax_dtypes(dtypes: dict[str, str], wanted, *, where: str, what: str = "tensor",
+                     converts_64: bool = False) -> None:
     """Raise CheckpointError naming the first of ``wanted`` (``{name: the receiving array's
     dtype}``) whose saved dtype (``dtypes[name]``) JAX cannot hold, or that is not the receiving
-    dtype where either is held as bits (bfloat16, float8: no conversion), before anything is read."""
+    dtype where either is held as bits (bfloat16, float8: no conversion), before anything is read.
+    ``converts_64``: a 64-bit value goes into the 32-bit array given for it without x64 (a
+    buffer's count, as the template asks), where parameters are refused."""
     from hybrid.checkpoint._dtypes import is_stored_as_bits
     from hybrid.core import canonical_dtype
 
@@ -144,6 +147,8 @@ def check_jax_dtypes(dtypes: dict[str, str], wanted, *, where: str, what: str = 
             continue
         saved, into = dtypes[name], canonical_dtype(into)
         why = jax_lacks(saved)
+        if why is not None and converts_64 and not why.startswith("JAX has no"):
+            why = None
         if why is None and saved != into and (is_stored_as_bits(saved) or is_stored_as_bits(into)):
             why = f"the receiving array is {into}"
         if why is not None:
