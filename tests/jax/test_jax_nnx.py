@@ -129,6 +129,35 @@ def test_nnx_optimizer_zero_equals_optax(stage, tmp_path):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_nnx_optimizer_accumulates_with_multi_steps():
+    """The issue's case: nnx.Optimizer around MultiSteps(zero(...), k), local gradients of an NNX
+    model (whose names carried '.value'), against the unsharded nnx.Optimizer(optax.MultiSteps)."""
+    def run(tx, sharded):
+        model = _model()
+        if sharded:
+            make = nnx.jit(nnx.shard_map(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), mesh=MESH, in_specs=P(),
+                                         out_specs=OPT_SPEC))
+
+            @nnx.jit
+            @nnx.shard_map(mesh=MESH, in_specs=(P(), OPT_SPEC, P(AXIS), P(AXIS)), out_specs=P())
+            def step(model, optimizer, idx, tgt):
+                optimizer.update(model, hj.local_grad(nnx_loss, AXIS)(model, idx, tgt))
+                return jax.lax.pmean(nnx_loss(model, idx, tgt), AXIS)
+        else:
+            make = lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param)
+
+            @nnx.jit
+            def step(model, optimizer, idx, tgt):
+                optimizer.update(model, nnx.grad(nnx_loss)(model, idx, tgt))
+        optimizer = make(model)
+        for i in range(4):
+            step(model, optimizer, *_batch(i))
+        return _params(model)
+
+    got = run(hj.MultiSteps(hj.zero(_tx(), AXIS, stage=2), 2), sharded=True)
+    _close(got, run(optax.MultiSteps(_tx(), 2), sharded=False))
+
+
 def test_functional_split_merge_under_jax_jit():
     """The functional NNX step (``nnx.split`` once, ``nnx.merge`` inside) under jax.jit + jax.shard_map."""
     graphdef, params = nnx.split(_model(), nnx.Param)
