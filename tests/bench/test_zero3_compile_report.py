@@ -21,4 +21,5 @@ def test_compile_report_divides_by_compiled_fsdp2_and_by_eager_zero3():
     assert re.search(r"hybrid_zero3_compiled/fsdp2_compiled\s+1\.100 .*< 1: hybrid_zero3_compiled faster", out), out
     # hybrid_zero3 is the 4th variant (1.3), hybrid_zero3_compiled the 2nd (1.1): 1.1 / 1.3
     assert re.search(r"hybrid_zero3_compiled/hybrid_zero3\s+0\.846 ", out), out
+    assert re.search(r"hybrid_zero3_compiled_whole/hybrid_zero3\s+0\.923 ", out), out  # 1.2 / 1.3
     assert "frames compiled in the timed steps: 0" in out

@@ -239,9 +239,10 @@ def _compiled(args, reps: int) -> None:
     models = compiled.QUICK_MODELS if args.quick else compiled.MODELS
     results = _run_worlds(compiled.worker, worlds, models, "compile", reps, 2)
     print("\n# compiled ZeRO3 beside compiled FSDP2: Llama (hybrid.models), blocks compiled before wrapping "
-          f"(inductor), AdamW, batch {compiled.BATCH}, gloo")
+          "(inductor), AdamW, gloo")
     for model in models:
-        print(f"{model}: {results[(model, worlds[0])][0][model]['params']} parameters (float32)")
+        r = results[(model, worlds[0])][0][model]
+        print(f"{model}: {r['params']} parameters (float32), batch {r['batch']} x {r['seq']} tokens")
     print(f"\nstep time, rank 0, medians of {reps} interleaved steps (forward + backward + step + zero_grad)")
     print(compiled.report(results))
 
