@@ -291,3 +291,25 @@ def test_open_checkpoint_reports_the_true_dtypes(tmp_path):
     m = open_checkpoint(tmp_path / "ckpt").manifest
     assert {s.dtype for s in m.plan.specs} == set(TRAINABLE)
     assert {e["dtype"] for e in m.buffers.values()} == set(EVERY)
+
+
+def test_bfloat16_adam_state_crosses_to_optax(tmp_path):
+    """torch's Adam keeps a bfloat16 parameter's moments in bfloat16, as optax.adam does."""
+    import jax.numpy as jnp
+    import optax
+
+    from hybrid.checkpoint import jax as jax_ckpt
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    save(tmp_path / "ckpt", model, opt, step=1, world_size=2)
+    like = {"weight": jnp.zeros((2, 3), jnp.bfloat16), "bias": jnp.zeros(2, jnp.bfloat16)}
+    params, state, step = jax_ckpt.load(tmp_path / "ckpt", like, optax.adam(0.1).init(like))
+    assert step == 1
+    for name, p in model.named_parameters():
+        assert np.asarray(params[name]).tobytes() == _bits(p)
+        assert np.asarray(state[0].mu[name]).tobytes() == _bits(opt.state[p]["exp_avg"])
+        assert np.asarray(state[0].nu[name]).tobytes() == _bits(opt.state[p]["exp_avg_sq"])
