@@ -99,6 +99,9 @@ def shard_params(params, axis_name, *, bucket_cap_bytes: int | None = None, firs
     >>> shards = cut({"w": jnp.arange(3.0)})
     >>> shards.buckets[0].tolist()  # the padded bucket: 2 slices of 2
     [0.0, 1.0, 2.0, 0.0]
+    >>> global_shards = shard_params({"w": jnp.arange(3.0)}, "dp", mesh=mesh)  # for a plain jit
+    >>> [s.data.tolist() for s in global_shards.buckets[0].addressable_shards]
+    [[0.0, 1.0], [2.0, 0.0]]
     """
     check_caps(bucket_cap_bytes, first_bucket_cap_bytes, none_ok=True)
     check_backend(copy_backend)

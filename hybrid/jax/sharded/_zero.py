@@ -102,6 +102,19 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
     >>> out = jax.pmap(step, axis_name="dp")({"w": jnp.ones((4, 4, 3))})
     >>> round(float(out["w"][0, 0, 0]), 6)
     -0.1
+
+    In a plain ``jax.jit`` over a mesh, plain ``jax.grad`` of the loss over the global batch:
+
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    >>> tx = zero(optax.sgd(0.1, momentum=0.9), "data", stage=2, mesh=mesh)
+    >>> w = jax.device_put(jnp.ones(4), NamedSharding(mesh, P()))
+    >>> state = jax.jit(tx.init)(w)
+    >>> u, state = jax.jit(tx.update)(jax.grad(lambda w: jnp.sum(w ** 2))(w), state, w)
+    >>> [round(v, 6) for v in u.tolist()]
+    [-0.2, -0.2, -0.2, -0.2]
+    >>> [s.data.shape for s in state.inner[0].trace[0].addressable_shards]  # momentum: 2 of 4 per device
+    [(2,), (2,)]
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
