@@ -273,10 +273,6 @@ class ZeRO3(nn.Module):
             # A module that raised left its working parameters in place and its buckets gathered.
             self._schedule.abort_forward()
             raise
-        out = self._schedule.end_forward(out)
-        return _cast(out, getattr(self._mp, "output_dtype", None))
-
-    @contextlib.contextmanager
         return self._end_forward(out)
 
     @torch._dynamo.disable
@@ -284,7 +280,10 @@ class ZeRO3(nn.Module):
         self._guard.enter("forward")
         self._grads.abandon_unfinished()
         self._grads.drop_stand_ins()
-        self._schedule.hook_units(whole_compiled=whole_compiled)
+        if whole_compiled:
+            # Once compiled whole, the blocks stay the units, eager calls included: hooks changing
+            # back and forth would make dynamo recompile at every switch.
+            self._schedule.hook_units(whole_compiled=True)
         if getattr(self._mp, "cast_forward_inputs", False):
             args, kwargs = _cast((args, kwargs), getattr(self._mp, "param_dtype", None))
         self._schedule.begin_forward()
@@ -292,6 +291,10 @@ class ZeRO3(nn.Module):
 
     @torch._dynamo.disable
     def _end_forward(self, out: Any) -> Any:
+        out = self._schedule.end_forward(out)
+        return _cast(out, getattr(self._mp, "output_dtype", None))
+
+    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside keep their gradients local and whole, in ``.grad`` (as DDP's
         ``no_sync``: a full gradient per rank); the first backward outside reduces their sum."""
