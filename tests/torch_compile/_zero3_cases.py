@@ -63,7 +63,10 @@ class Run:
 
 
 def _compare(rank: int, world_size: int, *, compile: str, backend: str = "aot_eager", optim=torch.optim.AdamW,
-             zero3: dict | None = None, opt: dict | None = None, offload: bool = False) -> None:
+             zero3: dict | None = None, opt: dict | None = None, offload: bool = False,
+             eager_calls: bool = False) -> None:
+    """``eager_calls``: after warm-up the compiled run's ZeRO3 is also called eagerly (an evaluation
+    without gradients) before each step, which must not make dynamo compile again."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     base = Llama(CONFIG)
@@ -76,6 +79,9 @@ def _compare(rank: int, world_size: int, *, compile: str, backend: str = "aot_ea
         seen = None
         for step in range(NUM_STEPS):
             x = tokens(rank, step)
+            if eager_calls and step >= WARM_UP:
+                with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+                    assert torch.equal(compiled.zero(x), eager.zero(x)), f"step {step}: an eager call differs"
             want = eager.step(x)
             if step < WARM_UP:
                 got = compiled.step(x)
@@ -111,7 +117,7 @@ def _mixed() -> dict:
 CASES = {
     "whole": functools.partial(_compare, compile="whole"),
     "blocks": functools.partial(_compare, compile="blocks"),
-    "whole_memory": functools.partial(_compare, compile="whole", zero3={"policy": "memory"}),
+    "whole_memory": functools.partial(_compare, compile="whole", zero3={"policy": "memory"}, eager_calls=True),
     "blocks_memory": functools.partial(_compare, compile="blocks", zero3={"policy": "memory"}),
     "whole_buckets_sgd": functools.partial(_compare, compile="whole", optim=torch.optim.SGD,
                                            zero3={"bucket_cap_mb": 0.005}, opt={"lr": 0.1, "momentum": 0.9}),
