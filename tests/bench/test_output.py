@@ -61,6 +61,18 @@ def test_jax_prints_an_aa_row(capsys):
     assert "bucketed_sgd/psum_sgd" in out and "< 1: bucketed_sgd faster" in out
 
 
+def test_jax_jit_part_prints_gspmd_rows_and_an_aa_row(capsys):
+    code = jax_bench.main(["--jit-only", "--jit-width", "32", "--jit-depth", "2", "--jit-batch", "8",
+                           "--jit-reps", "2", "--jit-steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    [aa] = _aa_rows(out)
+    assert (aa["group"], aa["what"]) == ("[3] jit", "replicated'/replicated")
+    for row in ("jit_zero2/gspmd_zero1", "jit_zero3/gspmd_fsdp", "sm_zero3/gspmd_fsdp"):
+        assert row in out
+    assert "reduce-scatter" in out.split("jit_zero3    temporaries")[1].splitlines()[0]
+
+
 def _series(base, factor):
     return [base * factor] * 3
 

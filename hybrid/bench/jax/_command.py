@@ -204,7 +204,7 @@ def main(argv: list[str]) -> int:
     del steps, states
 
     if args.skip_zero:
-        print("\n" + ratio_table(with_jit(groups)))
+        print("\n" + ratio_table(groups))
         return 0
     # 2. ZeRO vs unsharded adam
     params, x = _model(args.zero_width, args.zero_depth), batch(args.zero_batch, args.zero_width)
