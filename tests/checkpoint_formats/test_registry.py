@@ -140,3 +140,13 @@ def test_quick_commands_import_what_the_format_needs(tmp_path):
                          ["checkpoint", "convert", d, str(tmp_path / "h3"), "--to", "hybrid"],
                          ["checkpoint", "convert", h, str(tmp_path / "d2"), "--to", "dcp"])
     assert steps == [[0, []], [0, []], [0, ["torch"]], [0, ["torch"]], [0, ["torch", "torch.distributed.checkpoint"]]]
+
+
+def test_orbax_info_imports_no_torch(tmp_path):
+    """info of an orbax checkpoint imports JAX and orbax (its arrays are read with orbax's
+    restore), never torch, optax or flax."""
+    from hybrid.checkpoint.orbax import write_orbax
+
+    save_arrays(tmp_path / "h", {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, step=2)
+    write_orbax(tmp_path / "h", tmp_path / "o")
+    assert _imported_by(["checkpoint", "info", str(tmp_path / "o")]) == [[0, ["jax", "jaxlib", "orbax"]]]
