@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import optax
 from jax.sharding import PartitionSpec
@@ -43,7 +45,17 @@ def state_specs(tx: optax.GradientTransformation, params, axis_name, *, axis_siz
     # output: ndim beyond it tells arrays from scalars.
     shapes = jax.eval_shape(jax.vmap(tx.init, in_axes=None, axis_size=axis_size, axis_name=axis_name), params)
 
+    if type(tx) is optax.MultiSteps and _reduces(shapes.inner_opt_state):
+        warnings.warn("optax.MultiSteps runs its inner transform on every micro-step and keeps the result on the "
+                      "k-th only: the collectives of hybrid's transforms inside it run every micro-step, thrown "
+                      "away k - 1 times in k. hybrid.jax.MultiSteps takes the same arguments and state and runs "
+                      "them on the k-th micro-step alone (torch's no_sync)", stacklevel=2)
     return _specs_of(shapes, axis_name)
+
+
+def _reduces(state) -> bool:
+    """Whether ``state`` holds a per-device state of hybrid's (zero's slices, bucket buffers)."""
+    return any(isinstance(x, _PER_DEVICE) for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, _PER_DEVICE)))
 
 
 def _is_node(x) -> bool:
@@ -64,8 +76,7 @@ def _specs_of(shapes, axis_name):
             # MultiSteps around zero or bucketed_all_reduce accumulates this device's own
             # gradients (they reduce them): per device. Around a plain transform the gradients
             # it is given were reduced already, so its accumulator is the same on every device.
-            reduces = any(isinstance(x, _PER_DEVICE) for x in jax.tree_util.tree_leaves(
-                node.inner_opt_state, is_leaf=lambda x: isinstance(x, _PER_DEVICE)))
+            reduces = _reduces(node.inner_opt_state)
             if reduces:
                 _check_accumulable(node.acc_grads)
             acc = _per_device(node.acc_grads, axis_name) if reduces else _replicated(node.acc_grads)
