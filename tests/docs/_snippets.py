@@ -49,8 +49,9 @@ for line, source, continues in blocks:
             error = None
     except BaseException:
         error = traceback.format_exc()
-    print(json.dumps([line, error]), flush=True)
+    print("\n@docs-report@" + json.dumps([line, error]), flush=True)   # on a line of its own
 """
+REPORT = "@docs-report@"   # a block's own output may be anything, a printed list included
 
 def pages(folder: pathlib.Path, recursive: bool = False) -> list[pathlib.Path]:
     return sorted(folder.rglob("*.md") if recursive else folder.glob("*.md"))
@@ -90,7 +91,7 @@ def run_page(page: pathlib.Path, tmp_path: pathlib.Path) -> tuple[list[str], str
         assert re.fullmatch(r"\(.{8,}\)", reason), f"{name}:{line}: a skipped block must say why, in parentheses"
     proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(run), capture_output=True, text=True,
                           cwd=tmp_path, env=_env(), timeout=170)
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    reports = [json.loads(line[len(REPORT):]) for line in proc.stdout.splitlines() if line.startswith(REPORT)]
     failed = [f"{name}:{line}:\n{error}" for line, error in reports if error]
     missing = "" if len(reports) == len(run) else \
         f"{name}: only {len(reports)} of {len(run)} blocks reported\n{proc.stderr[-3000:]}"
