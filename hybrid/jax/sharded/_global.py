@@ -34,15 +34,17 @@ def global_buckets(layout, shards, tree, sharding) -> tuple:
                  for b in range(layout.plan.num_buckets))
 
 
-def local_buckets(layout, shards, tree, mesh, axis_name: str) -> tuple:
-    """The tree's buckets sharded ``P(axis_name)`` (global arrays), each device copying only its own
+def local_buckets(layout, shards, trees, mesh, axis_name: str) -> list:
+    """Each tree's buckets sharded ``P(axis_name)`` (global arrays), each device copying only its own
     slice: a ``lax.switch`` on its index along the axis picks the branch whose static slices of the
     members make that device's slice (``FlatShardPlan.shard_range`` over
     ``hybrid.core.bucket_pieces``). Packing the whole bucket and constraining it to ``P(axis)``
     gives the same values, but XLA:CPU materialises the whole bucket on every device for it.
-    The tree's leaves must be the same on every device (replicated: params, reduced gradients)."""
+    The trees (gradients and params, of one layout) are sliced in the same branch, so XLA cannot
+    copy the params' slices before the gradients exist (and hold them through the backward).
+    The trees' leaves must be the same on every device (replicated: params, reduced gradients)."""
     plan = layout.plan
-    arrays = layout.spec_arrays(tree)
+    num_trees = len(trees)
 
     def branch(b, rank):
         """Rank ``rank``'s slice of bucket ``b`` from its members: static slices and zero gaps."""
@@ -54,23 +56,27 @@ def local_buckets(layout, shards, tree, mesh, axis_name: str) -> tuple:
                 pieces.append((m, lo, hi))
             at += k
         dtype = plan.buckets[b].dtype
-        return lambda members: jnp.concatenate([jnp.zeros((hi - lo,), dtype) if m is None else
-                                                members[m].reshape(-1)[lo:hi] for m, lo, hi in pieces])
+        return lambda members: tuple(
+            jnp.concatenate([jnp.zeros((hi - lo,), dtype) if m is None else
+                             members[t][m].reshape(-1)[lo:hi] for m, lo, hi in pieces]) for t in range(num_trees))
 
     def run(*flat):
         it = iter(flat)
         rank = jax.lax.axis_index(axis_name)
         out = []
         for b in range(plan.num_buckets):
-            members = {m: next(it) for m in plan.buckets[b].members}
+            members = tuple({m: next(it) for m in plan.buckets[b].members} for _ in range(num_trees))
             if shards.shard_sizes[b] == 0:
-                out.append(jnp.zeros((0,), plan.buckets[b].dtype))
+                out.append((jnp.zeros((0,), plan.buckets[b].dtype),) * num_trees)
                 continue
             out.append(jax.lax.switch(rank, [branch(b, r) for r in range(shards.world_size)], members))
         return tuple(out)
 
-    flat_members = [arrays[m] for bucket in plan.buckets for m in bucket.members]
-    return jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P(axis_name), check_vma=False)(*flat_members)
+    arrays = [layout.spec_arrays(tree) for tree in trees]
+    flat_members = [a[m] for bucket in plan.buckets for a in arrays for m in bucket.members]
+    per_bucket = jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P(axis_name),
+                               check_vma=False)(*flat_members)
+    return [tuple(bucket[t] for bucket in per_bucket) for t in range(num_trees)]
 
 
 def mesh_of(shards):

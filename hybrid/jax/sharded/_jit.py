@@ -120,13 +120,12 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
         layout = layout_of(updates, "zero.update")
         shards = layout.shards(n)
         check_plan(state, shards)
-        grads = local_buckets(layout, shards, updates, mesh, axis_name)  # XLA reduces the leaves first
-        param_flats = None
-        if params is not None:
-            param_layout = layout_of(params, "zero.update params")
-            if param_layout.plan != layout.plan:
+        if params is None:
+            [grads], param_flats = local_buckets(layout, shards, [updates], mesh, axis_name), None
+        else:
+            if layout_of(params, "zero.update params").plan != layout.plan:
                 raise ValueError("zero.update: params and updates must be trees of the same names, shapes and dtypes")
-            param_flats = local_buckets(param_layout, shards, params, mesh, axis_name)
+            grads, param_flats = local_buckets(layout, shards, [updates, params], mesh, axis_name)
         new, inner_state = flat_inner(updates, layout, shards).update(grads, state.inner, param_flats)
         out = {}
         for b, flat in enumerate(new):
