@@ -5,24 +5,26 @@ plain ``jax.grad`` of the loss over the global batch. The plan is the ``shard_ma
 same buckets, shards and :class:`~hybrid.jax.ZeroState` fingerprint), but every array is global
 and its sharding a ``NamedSharding`` that XLA partitions:
 
-- a bucket is ``hybrid.core.pack`` of the gradient leaves (the whole padded bucket, as a global
-  array), constrained to ``P(axis)``: each device keeps its slice of the summed gradient;
+- the gradient leaves (plain ``jax.grad``: XLA reduces them where the dots are, on XLA:CPU one
+  combined all-reduce) are cut into the plan's bucket slices, each device copying only its own
+  (``hybrid.jax.sharded._global.local_buckets``), as global arrays sharded ``P(axis)``;
 - the inner optax transform runs on the global flat buckets, its state constrained to ``P(axis)``
   (each device holds ``1 / N`` of it: a bucket's padded length is a multiple of ``N``);
 - the updated bucket is constrained to ``P()`` (one all-gather per bucket) and unpacked;
 - at stage 3 the parameters are global :class:`~hybrid.jax.ParamShards` (``P(axis)``), the loss
-  takes them through :func:`hybrid.jax.gathered` as at the ``shard_map`` path (here a gather is a
-  ``P()`` constraint on the bucket, ``hybrid.jax.sharded._global``), and ``update`` returns updates of
-  the sharded buckets.
+  takes them through :func:`hybrid.jax.gathered`, which runs it per device (one all-gather per
+  bucket, whose transpose under ``jax.grad`` is one reduce-scatter per bucket), and ``update``
+  returns updates of the sharded buckets: no collective of its own.
 
 Inside ``zero`` the inner transform sees whole buckets, so optax's own ``clip_by_global_norm``
 (and ``apply_if_finite``) decide over every element, as unsharded; masks and labels are rewritten
 per element of the whole bucket (``hybrid.jax.sharded._masks``, ``rank=None``).
 
-What XLA emits is XLA's: on XLA:CPU the gradient reduction is one combined all-reduce of the
-gradient leaves (the partitioner reduces a dot's partial sums where the dot is; XLA:CPU has no pass
-that turns an all-reduce and a slice into a reduce-scatter; GSPMD's own ZeRO-1 and FSDP reduce the
-same way there), then each device slices its share locally (docs/jax.md, "ZeRO inside a plain jit").
+Why stages 1-2 all-reduce: a plain ``jax.grad`` of replicated parameters is reduced by XLA's
+partitioner at each dot, and XLA:CPU has no pass turning an all-reduce and a slice into a
+reduce-scatter (GSPMD's own ZeRO-1 reduces the same way there); a reduce-scatter needs the
+gradient per device, which only stage 3's gathered loss has (docs/jax.md, "ZeRO inside a plain
+``jax.jit``").
 """
 
 from __future__ import annotations
