@@ -116,7 +116,9 @@ class Schedule:
         def holds(m: nn.Module) -> bool:
             return bool(own(m)) or bool(self._declared.get(m))
 
-        self.needs: dict[nn.Module, tuple[int, ...]] = {}
+        # The old units' needs stay: a backward of an output made before the change still asks
+        # its unit's buckets back through them.
+        self.needs: dict[nn.Module, tuple[int, ...]] = dict(getattr(self, "needs", {}))
         self._specs_of: dict[nn.Module, tuple[int, ...]] = {}
         # per unit: (module, attribute, spec index) of every parameter it puts in place
         self._owned: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}
