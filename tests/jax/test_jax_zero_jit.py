@@ -32,6 +32,10 @@ INNER = {
     # optax's own clip, a small max_norm so it triggers every step: inside zero it sees whole buckets
     "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2, weight_decay=0.1)),
     "adamw_masked": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay),
+    # param groups: labels per leaf, rewritten per element of the whole bucket
+    "multi_transform": lambda: optax.multi_transform(
+        {"matrix": optax.adamw(1e-2, weight_decay=0.1), "vector": optax.sgd(1e-2, momentum=0.9)},
+        lambda params: jax.tree.map(lambda p: "matrix" if p.ndim > 1 else "vector", params)),
 }
 
 
