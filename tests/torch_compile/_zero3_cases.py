@@ -44,11 +44,12 @@ def tokens(rank: int, step: int) -> torch.Tensor:
 class Run:
     """One ZeRO3 model and its optimizer; ``compile`` is None (eager), "whole" or "blocks"."""
 
-    def __init__(self, base: Llama, *, compile: str | None, backend: str, optim, zero3: dict, opt: dict):
+    def __init__(self, base: Llama, *, compile: str | None, backend: str, optim, zero3: dict, opt: dict,
+                 fullgraph: bool = False):
         model = copy.deepcopy(base)
         if compile == "blocks":
             for block in model.layers.values():
-                block.compile(backend=backend)
+                block.compile(backend=backend, fullgraph=fullgraph)
         self.zero = ZeRO3(model, **zero3)
         self.call = torch.compile(self.zero, backend=backend) if compile == "whole" else self.zero
         # the compiled model, as a user passes it (ZeRO3Optimizer takes what it runs)
@@ -66,7 +67,7 @@ class Run:
 
 def _compare(rank: int, world_size: int, *, compile: str, backend: str = "aot_eager", optim=torch.optim.AdamW,
              zero3: dict | None = None, opt: dict | None = None, offload: bool = False,
-             eager_calls: bool = False) -> None:
+             eager_calls: bool = False, fullgraph: bool = False) -> None:
     """``eager_calls``: after warm-up the compiled run's ZeRO3 is also called eagerly (an evaluation
     without gradients) before each step, which must not make dynamo compile again."""
     torch._dynamo.reset()
@@ -76,7 +77,8 @@ def _compare(rank: int, world_size: int, *, compile: str, backend: str = "aot_ea
     with tempfile.TemporaryDirectory() as tmp:
         opt_of = (lambda: {**opt, "offload_dir": tmp}) if offload else (lambda: opt)
         eager = Run(base, compile=None, backend=backend, optim=optim, zero3=zero3, opt=opt_of())
-        compiled = Run(base, compile=compile, backend=backend, optim=optim, zero3=zero3, opt=opt_of())
+        compiled = Run(base, compile=compile, backend=backend, optim=optim, zero3=zero3, opt=opt_of(),
+                       fullgraph=fullgraph)
         exact = backend == "aot_eager"
         seen = None
         for step in range(NUM_STEPS):
@@ -121,6 +123,8 @@ CASES = {
     "blocks": functools.partial(_compare, compile="blocks"),
     "whole_memory": functools.partial(_compare, compile="whole", zero3={"policy": "memory"}, eager_calls=True),
     "blocks_memory": functools.partial(_compare, compile="blocks", zero3={"policy": "memory"}),
+    # fullgraph=True per block: the hooks ZeRO3 puts on a compiled block break no graph of it
+    "blocks_fullgraph": functools.partial(_compare, compile="blocks", fullgraph=True),
     "whole_buckets_sgd": functools.partial(_compare, compile="whole", optim=torch.optim.SGD,
                                            zero3={"bucket_cap_mb": 0.005}, opt={"lr": 0.1, "momentum": 0.9}),
     "whole_mixed": functools.partial(_compare, compile="whole", zero3=_mixed()),
