@@ -122,9 +122,12 @@ class ZeRO3(nn.Module):
       init_fn: for a module built on the meta device (``with torch.device("meta"): model = Net()``):
         ``init_fn(module)`` initialises a module's own parameters and buffers in place; it is
         called on every module holding tensors, in ``module.modules()`` order, one module
-        materialised at a time (default: the module's ``reset_parameters()``). Each rank keeps
-        only its slices; the values are bit for bit those of the same calls on a CPU build under
-        rank 0's RNG state. See ``hybrid.torch.zero.zero3._init``.
+        materialised at a time (default: the module's ``reset_parameters()``). An ``init_fn``
+        taking no arguments initialises the whole model in one call, as torchtitan calls
+        ``model.init_weights()`` (``init_fn=model.init_weights``, ``buffer_device=`` too): each
+        parameter is materialised only while it uses it. Each rank keeps only its slices; the
+        values are bit for bit those of the same calls on a CPU build under rank 0's RNG state.
+        See ``hybrid.torch.zero.zero3._init`` and ``_init_whole``.
       device: where a meta-built model's slices, buffers and gathered buckets live (default CPU).
       policy: ``"speed"`` (the default): the plan above, fewer and larger buckets, the forward's
         last bucket kept for the backward. ``"memory"``: a bucket per module (its own
@@ -175,8 +178,9 @@ class ZeRO3(nn.Module):
             # The model's own initialisation never ran on the meta device; torch's layers' defaults will.
             warnings.warn(f"ZeRO3: {type(module).__name__} defines init_weights(), but a module built on the meta "
                           f"device is initialised by each module's reset_parameters() (torch's defaults) unless "
-                          f"ZeRO3 is given init_fn=: pass init_fn=model.init_weights if it takes one module, or a "
-                          f"function that initialises one module's own tensors", stacklevel=2)
+                          f"ZeRO3 is given init_fn=: pass init_fn=model.init_weights (called once if it takes no "
+                          f"argument, per module if it takes one), or a function that initialises one module's "
+                          f"own tensors", stacklevel=2)
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
