@@ -67,7 +67,8 @@ def record_class(name: str):
     if name == "_MEM_FORMAT_ENCODING":
         return _memory_format_encoding
     if name not in _CLASSES:
-        _CLASSES[name] = type(name, (Record,), {"__module__": __name__, "__qualname__": name, **_DEFAULTS.get(name, {})})
+        fields = {"__module__": __name__, "__qualname__": name, **_DEFAULTS.get(name, {})}
+        _CLASSES[name] = type(name, (Record,), fields)
     return _CLASSES[name]
 
 
