@@ -214,6 +214,11 @@ def gathered(fun, *, argnums: int = 0, reshard_after_forward: bool = True):
     its backward). Either way XLA has the last word: a compiler that merges the two identical
     gathers keeps the parameters, as XLA:CPU does (see docs/jax-zero.md, "ZeRO-3").
 
+    Given global ParamShards outside ``shard_map`` (a plain ``jax.jit``, ``zero(..., mesh=mesh)``)
+    it runs ``fun`` per device in a ``shard_map`` of its own: every other positional array split
+    over the axis on its first dimension (the batch), the outputs averaged over the axis, so a loss
+    that is a mean over an evenly split batch keeps its value and ``jax.grad`` reduce-scatters.
+
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import Mesh, PartitionSpec as P
     >>> mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
