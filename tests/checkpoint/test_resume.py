@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hybrid.checkpoint import Checkpoint
-from hybrid.demo import TrainConfig, launch_torch, train_jax
+from hybrid.demo import TrainConfig, launch_torch, spawn_world, train_jax, train_torch
 
 STEPS, SAVE = 12, 6
 # 48 rows split evenly over 1, 2 and 3 ranks or devices.
@@ -29,9 +29,9 @@ def runs(tmp_path_factory):
     out = {"dir": d}
     # torch, 2 ranks, ZeRO-1: saves at step 6 and trains on, uninterrupted, to 12.
     out["torch2"] = launch_torch(TrainConfig(**CONFIG), world_size=2, save_to=str(d / "torch2"), save_at=SAVE)
-    # 2 -> 3: torch ZeRO2 on 3 ranks from the 2-rank checkpoint; saves again at step 9.
-    out["torch3"] = launch_torch(TrainConfig(**CONFIG, stage=2), world_size=3, resume=str(d / "torch2"),
-                                 save_to=str(d / "torch3"), save_at=9)
+    # 2 -> 3: torch ZeRO2 on 3 ranks from the 2-rank checkpoint; saves again at step 9. The same
+    # 3-rank world then loads the 2-rank checkpoint and saves it with no step between (torch_copy).
+    out["torch3"], out["torch_copy"] = spawn_world(_torch3_then_copy, str(d), world_size=3)
     # 3 -> 1 within torch.
     out["torch1"] = launch_torch(TrainConfig(**CONFIG), world_size=1, resume=str(d / "torch3"))
     # torch -> JAX: 3 host devices, stage 2, from the 2-rank torch checkpoint; saves at step 9.
@@ -41,12 +41,23 @@ def runs(tmp_path_factory):
     out["torch2_from_jax"] = launch_torch(TrainConfig(**CONFIG), world_size=2, resume=str(d / "jax3"))
     # JAX 3 -> JAX 1.
     out["jax1"] = train_jax(TrainConfig(**CONFIG), num_devices=1, resume=str(d / "jax3"))
-    # Load and save with no step in between, in both frameworks at other world sizes.
-    out["torch_copy"] = launch_torch(TrainConfig(global_batch_size=48, num_steps=SAVE, stage=2), world_size=3,
-                                     resume=str(d / "torch2"), save_to=str(d / "torch_copy"), save_at=SAVE)
+    # Load and save with no step in between, in both frameworks at other world sizes (torch's: above).
     train_jax(TrainConfig(global_batch_size=48, num_steps=SAVE), num_devices=4, resume=str(d / "torch2"),
               save_to=str(d / "jax_copy"), save_at=SAVE)
+    # ... and on as many devices as the saving run, with its config: the same files.
+    train_jax(TrainConfig(**CONFIG, stage=2), num_devices=3, resume=str(d / "jax3"), save_to=str(d / "jax3_again"),
+              save_at=9)
     return out
+
+
+def _torch3_then_copy(d: str, progress=None):
+    """Both 3-rank torch runs in one world (a world's processes are most of a run's time here):
+    ZeRO2 resumed from torch2 and trained to step 12, saving at 9; then torch2 loaded and saved
+    again at its step, with no step between."""
+    torch3 = train_torch(TrainConfig(**CONFIG, stage=2), resume=f"{d}/torch2", save_to=f"{d}/torch3", save_at=9)
+    copy = train_torch(TrainConfig(global_batch_size=48, num_steps=SAVE, stage=2), resume=f"{d}/torch2",
+                       save_to=f"{d}/torch_copy", save_at=SAVE)
+    return torch3, copy
 
 
 @pytest.mark.parametrize("copy", ["torch_copy", "jax_copy"])
@@ -62,6 +73,14 @@ def test_load_then_save_is_bitwise(runs, copy):
         assert list(a) == list(b)
         for name in a:
             assert np.array_equal(a[name], b[name]), (kind, name)
+
+
+def test_jax_load_then_save_at_the_same_device_count_gives_back_the_same_bytes(runs):
+    """docs/moving-runs.md's claim for JAX (torch's: test_resume_buckets.py): every file, manifest included."""
+    src, dst = runs["dir"] / "jax3", runs["dir"] / "jax3_again"
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in src.iterdir())
+    for f in src.iterdir():
+        assert (dst / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_manifest_records_the_run(runs):
