@@ -261,3 +261,33 @@ def test_nnx_checkpoint_crosses_to_torch_and_linen(tmp_path):
     names = [s.name for s in plain.plan.specs]
     assert "h.0.attn.c_attn.kernel" in names and not [n for n in names if n.endswith("value")]
 
+
+
+def test_torch_param_groups_continue_on_nnx_state(tmp_path):
+    """optax_from_manifest labels an NNX State's leaves by their variables' names (AdamW with no
+    decay on vectors, two torch param groups): the same updates as on its nnx.to_pure_dict tree."""
+    torch = pytest.importorskip("torch")
+    from hybrid.checkpoint import jax as ckpt_jax, torch as ckpt_torch
+    from hybrid.models import TorchGPT
+
+    torch.manual_seed(0)
+    model = TorchGPT(CONFIG)
+    groups = [{"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=1e-3)
+    idx = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size))
+    adamw.zero_grad()
+    model(idx, idx)[1].backward()
+    adamw.step()
+    path = str(tmp_path / "groups")
+    ckpt_torch.save(path, model, adamw, step=1, world_size=1)
+
+    def continued(params):
+        tx = ckpt_jax.optax_from_manifest(path, params, mapping=GPT_MAPPING)
+        params, state, _ = ckpt_jax.load(path, params, tx.init(params), mapping=GPT_MAPPING)
+        return tx.update(jax.tree.map(jnp.ones_like, params), state, params)[0]
+
+    state = nnx.state(_model(), nnx.Param)
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(continued(state))), jax.tree.leaves(continued(nnx.to_pure_dict(state))),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -19,7 +19,7 @@ import optax
 from hybrid.checkpoint._formats import open_checkpoint
 from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.checkpoint._manifest import CheckpointError, Manifest
-from hybrid.jax._specs import key_path_name
+from hybrid.jax._specs import _leaves
 
 # torch's group keys that change nothing in the arithmetic (implementation choices).
 _IGNORED = {"params", "param_names", "not_saved", "foreach", "fused", "capturable", "differentiable", "initial_lr"}
@@ -117,8 +117,8 @@ def optax_from_manifest(checkpoint, params, *, mapping=None) -> optax.GradientTr
 def _jax_named(groups: list[dict], mapping, manifest: Manifest, params) -> list[dict]:
     """``groups`` with their torch parameter names given as the tree's names, through ``mapping``."""
     from hybrid.checkpoint._renamed import resolve_pairing
-    pairs, _ = jax.tree_util.tree_flatten_with_path(params)
-    pairing = resolve_pairing(mapping, {key_path_name(p): tuple(x.shape) for p, x in pairs},
+    names, leaves, _ = _leaves(params)  # an NNX State's arrays by their variables' names
+    pairing = resolve_pairing(mapping, {n: tuple(x.shape) for n, x in zip(names, leaves)},
                               {s.name: s.shape for s in manifest.plan.specs})
     jax_name = {p.torch: p.jax for p in pairing.pairs}
     return [{**g, "param_names": [jax_name[n] for n in g["param_names"]]} if "param_names" in g else g
@@ -153,8 +153,8 @@ def optax_from_param_groups(name: str, groups: list[dict], params, *, where: str
     if shared:
         raise CheckpointError(f"{where}: the param groups differ in {shared}, which one optax {family} state "
                               f"cannot hold; only lr and weight_decay may differ between groups")
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
-    group_of = _group_of_leaf(groups, [key_path_name(p) for p, _ in pairs], where)
+    names, _, treedef = _leaves(params)
+    group_of = _group_of_leaf(groups, names, where)
     labels = jax.tree_util.tree_unflatten(treedef, [f"group{i}" for i in group_of])
     used = sorted(set(group_of))
 
