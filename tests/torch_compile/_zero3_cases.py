@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 import tempfile
 
 import torch
@@ -113,6 +114,39 @@ def _check(eager: ZeRO3, compiled: ZeRO3, want, got, exact: bool, what: str) -> 
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+def _resume(rank: int, world_size: int) -> None:
+    """A model compiled whole saves with ``hybrid.checkpoint.torch.save`` (given the compiled model,
+    as a user holds it), loads into a fresh compiled model built from other weights, and trains on
+    as the uninterrupted eager run does, bit for bit (aot_eager)."""
+    import torch.distributed as dist
+
+    from hybrid.checkpoint.torch import load, save
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = Llama(CONFIG)
+    where = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)  # one directory for every rank's files
+    path = f"{where[0]}/ckpt"
+    eager = Run(base, compile=None, backend="aot_eager", optim=torch.optim.AdamW, zero3={}, opt={"lr": 1e-2})
+    compiled = Run(base, compile="whole", backend="aot_eager", optim=torch.optim.AdamW, zero3={}, opt={"lr": 1e-2})
+    for step in range(2):
+        eager.step(tokens(rank, step))
+        compiled.step(tokens(rank, step))
+    save(path, compiled.call, compiled.opt, step=2)
+    torch.manual_seed(1)
+    resumed = Run(Llama(CONFIG), compile="whole", backend="aot_eager", optim=torch.optim.AdamW, zero3={},
+                  opt={"lr": 1e-2})
+    assert load(path, resumed.call, resumed.opt) == 2
+    for step in range(2, NUM_STEPS):
+        x = tokens(rank, step)
+        want, got = eager.step(x), resumed.step(x)
+        _check(eager.zero, resumed.zero, want, got, True, f"resumed, step {step}")
+    dist.barrier()  # every rank has read its file
+    if rank == 0:
+        shutil.rmtree(where[0])
+
+
 def _mixed() -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
@@ -134,6 +168,8 @@ CASES = {
     "whole_offload_step_in_backward_memory": functools.partial(
         _compare, compile="whole", zero3={"policy": "memory"}, opt={"step_in_backward": True}, offload=True),
 }
+
+CASES["whole_checkpoint"] = _resume
 
 # inductor: the backend whose size and stride asserts the freed parameters broke (issue 44).
 CASES.update({

@@ -127,6 +127,7 @@ def load(path, module: nn.Module, optimizer=None, *, scheduler=None, hyperparame
     >>> torch.equal(other.weight, model.weight)
     True
     """
+    module = getattr(module, "_orig_mod", module)  # torch.compile(model): the model it runs
     if hyperparameters not in ("checkpoint", "optimizer"):
         raise ValueError(f"load: hyperparameters={hyperparameters!r}; expected 'checkpoint' (restore the saved "
                          f"ones, as torch does) or 'optimizer' (keep the optimizer's own)")

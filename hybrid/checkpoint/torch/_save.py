@@ -70,6 +70,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer=None, *, step: in
     ('mu', 'nu')
     """
     from hybrid.checkpoint.torch._dtypes import check_tensors, logical_dtypes
+    module = getattr(module, "_orig_mod", module)  # torch.compile(model): the model it runs
     # Every dtype checked before anything is written (on every rank alike: nobody waits on a file).
     check_tensors([*named_parameters(module), *named_buffers(module)], where=f"save {path}")
     if _is_zero3(module):  # each rank writes its slices as they are: nothing is gathered
