@@ -1,4 +1,7 @@
-"""``python -m hybrid plan`` on every source, in a subprocess as a user runs it."""
+"""``python -m hybrid plan`` on every source: in a subprocess as a user runs it where the process
+is the subject (its exit, the tables on a terminal's stdout, a module found from the folder it runs
+in, a closed pipe), otherwise ``hybrid.cli.main`` in this process with its stdout, stderr and
+exit code captured the same way (a fresh interpreter per call was most of this file's time)."""
 
 import json
 import os
@@ -15,11 +18,50 @@ from hybrid.core import partition_params, plan_buckets
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args, cwd=None):
+def run_cli_process(*args, cwd=None):
     # PYTHONPATH: the checkout's hybrid, installed or not, also when run from another directory.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "hybrid", "plan", *args], capture_output=True, text=True,
                           cwd=cwd, env=env)
+
+
+def run_cli(*args, cwd=None):
+    """``python -m hybrid plan ARGS`` as :func:`run_cli_process` reports it, run in this process:
+    the exit code (argparse's ``SystemExit`` included; an uncaught error is 1 and its traceback on
+    stderr, as the interpreter does), stdout and stderr. ``cwd``: run there, with that folder first
+    on ``sys.path`` as ``python -m`` puts it (a ``--module`` found there is forgotten after)."""
+    import contextlib
+    import io
+    import traceback
+
+    from hybrid import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        if cwd is not None:
+            stack.enter_context(contextlib.chdir(cwd))
+            stack.callback(_forget_modules_from, str(cwd), set(sys.modules))
+            sys.path.insert(0, str(cwd))
+        try:
+            code = cli.main(["plan", *args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except Exception:  # noqa: BLE001 - as the interpreter reports it
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(["plan", *args], code or 0, out.getvalue(), err.getvalue())
+
+
+def _forget_modules_from(folder: str, before: set) -> None:
+    """Undo a run in ``folder``: off ``sys.path``, and the modules it imported from there gone."""
+    sys.path.remove(folder)
+    for name in set(sys.modules) - before:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(folder):
+            del sys.modules[name]
 
 
 @pytest.mark.parametrize("model", sorted(EXAMPLES))
@@ -37,7 +79,7 @@ def test_builtin_examples_json_matches_the_core(model):
 
 
 def test_default_prints_tables():
-    out = run_cli()
+    out = run_cli_process()
     assert out.returncode == 0, out.stderr
     assert "gpt2-small" in out.stdout and "wte.weight" in out.stdout and "ZeRO-2 total" in out.stdout
 
