@@ -4,7 +4,8 @@
 
 JOB_JSON, one of
 - ``{"config": TrainConfig kwargs, "train": train_jax kwargs (resume, save_to, save_at), "out":
-  .npz written by process 0}``, and ``"plain": PATH`` to save an unsharded optax state after;
+  .npz written by process 0}``, and ``"plain": PATH`` to save an unsharded optax state after,
+  ``"born_sharded": DIR`` to run ``_jax_born_sharded.py``'s check after (in the same processes);
 - ``{"config": ..., "path": PATH, "timeout_s": T, "die_at": P}``: train to step 2, save, train to
   4, then process P dies while writing its file during the save of step 4;
 - ``{"config": ..., "path": PATH, "mismatch": true}``: each process saves another step.
@@ -43,6 +44,9 @@ def train() -> None:
     print(f"process {jax.process_index()}: trained {len(result.losses)} steps on {MESH.size} devices", flush=True)
     if "plain" in JOB:
         save_plain(JOB["plain"], result.params)
+    if "born_sharded" in JOB:
+        from tests.checkpoint._jax_born_sharded import born_sharded
+        print(born_sharded(MESH, JOB["born_sharded"]), flush=True)
 
 
 def save_plain(path: str, params: dict[str, np.ndarray]) -> None:

@@ -8,6 +8,10 @@ changes the order of float32 additions in the gradient mean) and within the pari
 torch (losses rtol 1e-5 / atol 1e-6, parameters rtol 1e-4 / atol 1e-5: the frameworks' float32
 kernels round differently). The oracle of the files themselves: what 2 processes write is, byte
 for byte, what one process writes for the same state on 2 devices.
+
+The 2 x 2-device job also checks stage-3 parameters born sharded across its processes (their
+``init_shards``, save and load into ``abstract_shards``: ``_jax_born_sharded.py``): JAX processes
+are most of this file's time, so a job is started once and handed both checks.
 """
 
 import json
@@ -43,9 +47,11 @@ def _train(d: Path, name: str, num_processes: int, local_devices: int, config: d
            "out": str(d / f"{name}.npz")}
     if name == "jax2":
         job["plain"] = str(d / "plain")
-    finish(_start(num_processes, local_devices, job), name, timeout_s=TIMEOUT_S)
+    if name == "jax2x2":
+        job["born_sharded"] = str(d / "born")
+    outs = finish(_start(num_processes, local_devices, job), name, timeout_s=TIMEOUT_S)
     with np.load(d / f"{name}.npz") as f:
-        return {"losses": f["losses"], "start_step": int(f["start_step"]),
+        return {"losses": f["losses"], "start_step": int(f["start_step"]), "outs": outs,
                 "params": {k.split("/", 1)[1]: f[k] for k in f.files if k.startswith("param/")}}
 
 
@@ -61,7 +67,7 @@ def runs(tmp_path_factory):
     out["jax2"] = _train(d, "jax2", 2, 1, CONFIG, save_to="jax2", save_at=SAVE)
     # 2 -> 3 processes (stage 2): resumes at 6, saves again at 9.
     out["jax3"] = _train(d, "jax3", 3, 1, {**CONFIG, "stage": 2}, resume="jax2", save_to="jax3", save_at=9)
-    # 3 -> 2 processes holding 2 devices each.
+    # 3 -> 2 processes holding 2 devices each; then stage-3 parameters born sharded over them.
     out["jax2x2"] = _train(d, "jax2x2", 2, 2, CONFIG, resume="jax3")
     # One process (a single-controller mesh of 2 devices) from the 3-process checkpoint; and the
     # 2-process run again in one process, saving the same state at step 6.
@@ -119,3 +125,11 @@ def test_unsharded_state_dealt_to_processes(runs):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert read_state(runs["dir"] / "plain") == {"epoch": 1}
     assert ckpt.load_buffers(runs["dir"] / "plain", {"bn": {"mean": jnp.zeros(3)}})["bn"]["mean"].tolist() == [0.5] * 3
+
+
+def test_born_sharded_and_loaded_across_processes(runs):
+    """2 processes of 2 devices: ``init_shards`` over the global mesh, a save, and a load into
+    ``abstract_shards``: each process holds (and reads) only its devices' slices, bit for bit those
+    ``shard_params`` cuts from the jitted init (``_jax_born_sharded.py`` checks them)."""
+    for i, out in enumerate(runs["jax2x2"]["outs"]):
+        assert f"process {i}: born sharded ok, " in out and "over 4 devices" in out, out[-2000:]

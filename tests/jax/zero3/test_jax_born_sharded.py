@@ -6,7 +6,7 @@ eager one, in ~25% of the GPT's elements); and
 each device computes its share of the init, not whole buckets (XLA's ``memory_analysis`` of the
 compiled programs, per device).
 The flax GPT (its own init through torch's pairing, so the plan is ZeRO3's) and a flax MLP, on
-4 host devices; the multi-process case is in tests/checkpoint/test_jax_processes_born_sharded.py."""
+4 host devices; the multi-process case is in tests/checkpoint/test_jax_processes.py."""
 
 import jax
 import jax.numpy as jnp
