@@ -43,7 +43,8 @@ def tokens(rank: int, step: int) -> torch.Tensor:
 
 
 class Run:
-    """One ZeRO3 model and its optimizer; ``compile`` is None (eager), "whole" or "blocks"."""
+    """One ZeRO3 model and its optimizer; ``compile`` is None (eager), "whole" (the ZeRO3 model
+    compiled), "blocks" or "root" (compiled before wrapping)."""
 
     def __init__(self, base: Llama, *, compile: str | None, backend: str, optim, zero3: dict, opt: dict,
                  fullgraph: bool = False):
@@ -51,6 +52,8 @@ class Run:
         if compile == "blocks":
             for block in model.layers.values():
                 block.compile(backend=backend, fullgraph=fullgraph)
+        elif compile == "root":  # the whole model compiled before wrapping: one unit, one graph
+            model.compile(backend=backend, fullgraph=fullgraph)
         self.zero = ZeRO3(model, **zero3)
         self.call = torch.compile(self.zero, backend=backend) if compile == "whole" else self.zero
         # the compiled model, as a user passes it (ZeRO3Optimizer takes what it runs)
@@ -159,6 +162,7 @@ CASES = {
     "blocks_memory": functools.partial(_compare, compile="blocks", zero3={"policy": "memory"}),
     # fullgraph=True per block: the hooks ZeRO3 puts on a compiled block break no graph of it
     "blocks_fullgraph": functools.partial(_compare, compile="blocks", fullgraph=True),
+    "root_memory_fullgraph": functools.partial(_compare, compile="root", zero3={"policy": "memory"}, fullgraph=True),
     "whole_buckets_sgd": functools.partial(_compare, compile="whole", optim=torch.optim.SGD,
                                            zero3={"bucket_cap_mb": 0.005}, opt={"lr": 0.1, "momentum": 0.9}),
     "whole_mixed": functools.partial(_compare, compile="whole", zero3=_mixed()),

@@ -6,7 +6,9 @@ trace a collective, nor the schedule's Python state), so units are what FSDP2 us
 ``fully_shard``, and the graph breaks fall between them, not around every layer:
 
 * a module compiled before wrapping (``block.compile()``, torchtitan's per-block compile) is one
-  unit with everything under it: its compiled forward holds no hook, and runs as one graph;
+  unit with everything under it: its compiled forward holds no hook, and runs as one graph (the
+  root compiled before wrapping, ``model.compile()``, is the only unit: every bucket is gathered
+  for its forward);
 * when the whole model is compiled (``torch.compile(zero3_model)``), each entry of an
   ``nn.ModuleList`` / ``nn.ModuleDict`` (a transformer's blocks) is a unit, and every module with
   parameters outside those (embeddings, the final norm, the head) is one. Each unit's forward is a
