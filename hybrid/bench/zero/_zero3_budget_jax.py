@@ -158,7 +158,8 @@ def _offloaded(hj, mesh, loss, shards, x, directory):
     worst = 0
     for b, meta in enumerate(opt._buckets):
         state = opt._files[b].read(meta.shardings, meta.shapes)
-        m = opt._program(b, "update").lower(shards.buckets[b], grads.buckets[b], state).compile().memory_analysis()
+        # adam alone makes no global decision (no clip or skip to measure first): no totals
+        m = opt._program(b, "update").lower(shards.buckets[b], grads.buckets[b], state, []).compile().memory_analysis()
         worst = max(worst, mine(state) + m.temp_size_in_bytes + m.output_size_in_bytes)
         del state
     del grads
