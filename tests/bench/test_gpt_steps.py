@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 
 import jax
 import pytest
@@ -17,6 +18,7 @@ from hybrid.bench import ddp, jax as jax_bench, summary, zero
 from hybrid.bench.gpt import StepBench, _device, _jax, _report, _torch
 from hybrid.core import TensorSpec, plan_buckets, zero3_plan
 from hybrid.models import GPTConfig, TorchGPT
+from tests._procs import forkserver_context
 from tests.bench.test_output import _aa_rows
 from tests.torch.test_ddp_kernels import single_rank_group
 
@@ -105,16 +107,26 @@ def _check_run(out: str, variants, dtypes):
     return _aa_rows(out)
 
 
+def _forkserver_spawn(fn, args=(), nprocs=1, join=True):
+    """torch.multiprocessing.spawn's call, its ranks forked from the test run's preloaded
+    forkserver (tests/_procs.py) instead of fresh interpreters each importing torch: the ranks run
+    the bench's own worker, only their start is cheaper."""
+    forkserver_context()  # the server's preload list
+    return torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory):
     """bench ddp at one gloo rank (the lent GPU's world), both dtypes; bench zero at two, bf16."""
     tmp = tmp_path_factory.mktemp("gpt")
     runs = {}
-    for name, main, argv in [("ddp", ddp.main, []), ("zero", zero.main, ["--ranks", "2", "--dtypes", "bf16"])]:
-        path = tmp / f"{name}.json"
-        with _Captured() as out:
-            assert main(["--device", "cpu", *TINY, *argv, "--json", str(path)]) == 0
-        runs[name] = (out.text, path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_torch, "mp", types.SimpleNamespace(spawn=_forkserver_spawn))
+        for name, main, argv in [("ddp", ddp.main, []), ("zero", zero.main, ["--ranks", "2", "--dtypes", "bf16"])]:
+            path = tmp / f"{name}.json"
+            with _Captured() as out:
+                assert main(["--device", "cpu", *TINY, *argv, "--json", str(path)]) == 0
+            runs[name] = (out.text, path)
     return runs
 
 
