@@ -48,10 +48,28 @@ def test_the_gpt_pair_trains_at_default_caps_compares_hands_over_and_plots(tmp_p
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"parity: {png}" in out
 
 
-def test_the_mlp_stays_an_option(tmp_path):
-    # one torch rank and 2 resuming devices: the cheapest world, and not the default sizes
+def test_the_mlp_stays_an_option_and_a_second_demo_on_the_same_folder_is_refused(tmp_path):
+    """Two runs at once would overwrite each other's checkpoint and plot: the second is told which
+    run holds the folder and how to give it its own. Once the folder is released the MLP runs
+    there (one demo run checks both: a run is most of this file's time)."""
+    import fcntl
+
+    from hybrid.cli.demo import LOCK_NAME
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / LOCK_NAME, "w") as held:
+        held.write("pid 4242, started 2026-11-27 12:00:00\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = _demo("--model", "mlp", "--steps", "2", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert f"another python -m hybrid demo is writing to {out} (pid 4242, started 2026-11-27 12:00:00)" \
+        in proc.stderr and "--out DIR" in proc.stderr, proc.stderr[-2000:]
+    assert not (out / "checkpoint").exists()
+    # released: it runs. One torch rank and 2 resuming devices: the cheapest world, and not the
+    # default sizes.
     proc = _demo("--model", "mlp", "--steps", "4", "--world-size", "1", "--resume-world-size", "2", "--batch-size", "8",
-                 "--out", "out", cwd=tmp_path)
+                 "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "twin MLP 16-32-32-4" in proc.stdout and "Tensors per bucket: 6." in proc.stdout
     assert "(equal)" in proc.stdout and [len(r) for r in _loss_rows(proc.stdout)] == [4] * 2 + [6] * 2
@@ -118,25 +136,6 @@ def test_demo_failure_is_a_message_and_exit_1(tmp_path):
     proc = _demo("--steps", "4", "--out", "taken", cwd=tmp_path)
     assert proc.returncode == 1
     assert "hybrid demo failed: FileExistsError" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_a_second_demo_on_the_same_folder_is_refused(tmp_path):
-    """Two runs at once would overwrite each other's checkpoint and plot: the second is told which
-    run holds the folder and how to give it its own."""
-    import fcntl
-
-    from hybrid.cli.demo import LOCK_NAME
-    with open(tmp_path / LOCK_NAME, "w") as held:
-        held.write("pid 4242, started 2026-11-27 12:00:00\n")
-        held.flush()
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        proc = _demo("--model", "mlp", "--steps", "2", "--out", str(tmp_path), cwd=tmp_path)
-    assert proc.returncode == 1
-    assert f"another python -m hybrid demo is writing to {tmp_path} (pid 4242, started 2026-11-27 12:00:00)" \
-        in proc.stderr and "--out DIR" in proc.stderr
-    assert not (tmp_path / "checkpoint").exists()
-    proc = _demo("--model", "mlp", "--steps", "2", "--out", str(tmp_path), cwd=tmp_path)  # released: it runs
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_progress_is_a_bar_on_a_terminal_and_whole_lines_in_a_log(monkeypatch):
