@@ -79,12 +79,15 @@ def test_born_sharded_is_shard_params_of_init(model, n):
 
 
 def test_each_device_computes_its_share_of_the_init():
-    # 12 layers of 512 x 512 in 13 buckets, where a slice of a bucket is part of one weight: a program
+    # 4 layers of 512 x 512 in 5 buckets, where a slice of a bucket is part of one weight: a program
     # from the init straight to the slices computed every whole weight on every device (its
-    # temporaries were the model's size at any device count); per-parameter shardings cut them by N
+    # temporaries were the model's size at any device count); per-parameter shardings cut them by N.
+    # Each layer adds the same share to every device count's temporaries, so 4 layers check what 12
+    # did (measured: 1.0006, 1.0033, 1.0019 of 1/N at 2, 3, 4 devices; 12 layers: 1.0008, 1.0035,
+    # 1.0023) in a third of the compiles' time
     from hybrid.jax.sharded._init import born_sharded
 
-    width, depth = 512, 12
+    width, depth = 512, 4
     bound = width ** -0.5
 
     def init(key):
