@@ -7,6 +7,10 @@ follows the uninterrupted run within rtol 1e-6 inside one framework (another wor
 changes the order of float32 additions in the gradient mean) and within the parity tolerance
 across frameworks (losses rtol 1e-5 / atol 1e-6, parameters rtol 1e-4 / atol 1e-5, as
 tests/parity: the frameworks' float32 kernels round differently).
+
+The torch runs start worlds of their own (``spawn_world``, fresh processes): the world size a
+checkpoint is saved at and loaded into is the subject, and each of 2, 3, 1 and 2 ranks is started
+once (the two 3-rank runs share one world).
 """
 
 import numpy as np
