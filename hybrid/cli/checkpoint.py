@@ -71,7 +71,17 @@ def describe(ckpt) -> dict:
                 "param_groups": opt.hyperparameters.get("param_groups", [])},
             "scheduler": "scheduler" in m.run_state,
             "carried": [".".join(map(str, e["path"])) for e in m.run_state.get("carried", {}).get("entries", [])],
-            "left_out": list(m.metadata.get("left_out", []))}
+            "left_out": list(m.metadata.get("left_out", [])),
+            "carried_values": _scalars(m.run_state),
+            "zero_layout": m.metadata.get("zero_layout")}
+
+
+def _scalars(run_state: dict) -> dict:
+    """``{dotted path: value}`` of the carried entries that are plain numbers (an orbax save's
+    schedule counts, MultiSteps' and apply_if_finite's counters), which ``load`` puts back."""
+    from hybrid.checkpoint._other_state import carried_entries, dotted
+
+    return {dotted(p): v for p, v in carried_entries(run_state) if isinstance(v, (bool, int, float))}
 
 
 def _print_info(d: dict) -> None:
@@ -91,8 +101,14 @@ def _print_info(d: dict) -> None:
             print(f"  param group {i}: {hyper} over {len(g.get('param_names', []))} parameters")
     if d["scheduler"]:
         print("  LR scheduler state (load(..., scheduler=) restores it)")
+    if d.get("zero_layout"):
+        z = d["zero_layout"]
+        print(f"  optimizer state as hybrid.jax.zero's flat buckets: {z['buckets']} bucket(s) of {z['lengths']} "
+              f"elements before padding (plan {z['plan']}); loads at any device count and stage")
     if d["carried"]:
-        print(f"  carried (the run's other state, kept through convert): {d['carried']}")
+        values = d.get("carried_values", {})
+        shown = [f"{n} = {values[n]}" if n in values else n for n in d["carried"]]
+        print(f"  carried (the run's other state, kept through convert; optax state scalars load as saved): {shown}")
     if d["left_out"]:
         print(f"  left out (not model, optimizer or step): {d['left_out']}")
     for t in d["tensors"]:

@@ -13,7 +13,7 @@ import optax
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, shard_flat
 from hybrid.jax import OffloadedZero3, ParamShards, ZeroState
 from hybrid.jax._specs import _Layout, _leaves
-from hybrid.checkpoint._formats import open_checkpoint
+from hybrid.checkpoint._formats import detect_format, open_checkpoint
 from hybrid.checkpoint._reader import CheckpointReader
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
 from hybrid.checkpoint.jax._mapped import TorchView
@@ -79,7 +79,7 @@ def load(path, params, opt_state=None, *, order=None,
     (3, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
     """
     caps = _caps(bucket_cap_bytes, first_bucket_cap_bytes, pairing, mapping)
-    ckpt = open_checkpoint(path, format=format)
+    ckpt = _open(path, format, params if mapping is None else None, order, caps, ready_order, pairing)
     if mapping is not None:
         if isinstance(opt_state, OffloadedZero3):
             raise ValueError("load: a checkpoint read through a mapping goes into an OffloadedZero3 in two steps: "
@@ -113,6 +113,15 @@ def load(path, params, opt_state=None, *, order=None,
     if opt_state is None:
         return new_params, None, ckpt.manifest.step
     return new_params, _load_state(ckpt, layout, opt_state), ckpt.manifest.step
+
+
+def _open(path, format, params, order, caps, ready_order, pairing) -> CheckpointReader:
+    """The checkpoint opened; an orbax directory is told the params tree loaded into (its ZeRO-3
+    ParamShards saved as they are hold no names)."""
+    if params is not None and not isinstance(path, CheckpointReader) and (format or detect_format(path)) == "orbax":
+        like = _layout(params, order, caps, ready_order, pairing).abstract()
+        return open_checkpoint(path, format=format, params_like=like)
+    return open_checkpoint(path, format=format)
 
 
 def load_buffers(path, buffers, *, format: str | None = None):
@@ -193,4 +202,35 @@ def _load_state(ckpt: CheckpointReader, layout: _Layout, opt_state):
             return ZeroState(_map_nodes(x.inner, replace), x.plan_fingerprint)
         return x
 
-    return _map_nodes(opt_state, replace)
+    return _with_saved_scalars(_map_nodes(opt_state, replace), ckpt)
+
+
+def _state_path(parts) -> tuple:
+    """A leaf's path in an optax state, the same whether it sits in a ZeroState (``inner``) or not."""
+    parts = tuple(str(p) for p in parts)
+    return parts[1:] if parts[:1] == ("inner",) else parts
+
+
+def _with_saved_scalars(opt_state, ckpt: CheckpointReader):
+    """``opt_state`` with every scalar the checkpoint carries for it (an orbax save's schedule counts,
+    MultiSteps' and apply_if_finite's counters, under ``opt_state``) as saved, matched by key path,
+    rather than the optimizer's count."""
+    from hybrid.checkpoint._other_state import carried_entries
+
+    saved = {_state_path(path[1:]): value for path, value in carried_entries(ckpt.manifest.run_state)
+             if path[:1] == ("opt_state",)}
+    if not saved:
+        return opt_state
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+
+    def name(key) -> str:
+        for field in ("name", "key", "idx"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+
+    out = []
+    for path, leaf in leaves:
+        value = saved.get(_state_path(name(k) for k in path))
+        out.append(leaf if value is None or np.shape(leaf) != () else _like(np.asarray(value), leaf))
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -24,11 +24,16 @@ import numpy as np
 from hybrid.core import TensorSpec, canonical_dtype
 from hybrid.checkpoint._foreign import ForeignCheckpoint, check_step, copy_ranges, foreign_manifest
 from hybrid.checkpoint._manifest import CheckpointError, OptimizerInfo
+from hybrid.checkpoint._other_state import CARRIED, carried
 from hybrid.checkpoint._write import to_storage
 from hybrid.checkpoint.orbax._safety import check_key, check_ocdbt, check_tree
+from hybrid.checkpoint.orbax._zero_layout import bucket_runs, find_zero_node, zero3_params
 
 _SLOTS = {"adam": ("mu", "nu"), "sgd": ("trace",)}
-_KNOWN = "optax's adam / adamw (ScaleByAdamState: count, mu, nu) and sgd with momentum (TraceState: trace)"
+_KNOWN = ("optax's adam / adamw (ScaleByAdamState: count, mu, nu) and sgd with momentum (TraceState: trace), "
+          "laid out like the params or as hybrid.jax.zero's flat buckets (its default bucket caps)")
+_WHERE_TO_POINT = ("point at a CheckpointManager's directory, one of its step directories (root/3) or the "
+                   "item directory inside it (root/3/default), or a StandardCheckpointer's directory")
 
 
 def _item_dir(root: pathlib.Path, step: int | None, item: str | None) -> tuple[pathlib.Path, pathlib.Path, int | None]:
@@ -42,13 +47,16 @@ def _item_dir(root: pathlib.Path, step: int | None, item: str | None) -> tuple[p
         manager_step = step if step is not None else steps[-1]
         root = root / str(manager_step)
     if (root / "_METADATA").exists():
+        if manager_step is None and root.parent.name.isdigit():  # a manager's item directory: root/3/default
+            manager_step = int(root.parent.name)
         return root, root, manager_step
     items = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "_METADATA").exists())
     if item is None:
         item = "default" if "default" in items else items[0] if len(items) == 1 else None
     if item is None or item not in items:
         raise CheckpointError(f"{root}: holds the items {items}: pass item= (one of them)" if items else
-                              f"{root}: holds no orbax pytree (no _METADATA)")
+                              f"{root}: holds no orbax pytree (no _METADATA here nor in an item directory "
+                              f"below it): {_WHERE_TO_POINT}")
     if manager_step is None and root.name.isdigit():
         manager_step = int(root.name)
     return root / item, root, manager_step
@@ -105,6 +113,9 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         step (no ``step`` leaf, no manager step, no Adam count), the training step.
       params_key: where the parameters lie in the tree (default ``"params"``; dotted for deeper).
       item: a CheckpointManager item's name, where a step holds several.
+      params_like: the params tree a load reads into (``hybrid.checkpoint.jax.load`` passes it):
+        names the buckets of ZeRO-3 ``ParamShards`` saved as they are (``params.buckets.<b>``),
+        which hold no names.
 
     >>> import os, tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
     >>> params = {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}}
@@ -117,7 +128,7 @@ class OrbaxCheckpoint(ForeignCheckpoint):
     """
 
     def __init__(self, path: str | os.PathLike, *, step: int | None = None, params_key: str = "params",
-                 item: str | None = None):
+                 item: str | None = None, params_like=None):
         root = pathlib.Path(os.path.realpath(path))
         if not root.is_dir():
             raise CheckpointError(f"{path}: no checkpoint directory there")
@@ -133,13 +144,30 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         n = len(params_at)
         params = {parts[n:]: meta for parts, meta in leaves if parts[:n] == params_at}
         self._parts = {("params", _name(p)): params_at + p for p in params}
+        self._runs: dict[tuple[str, str], tuple[int, int]] = {}  # in zero's flat buckets: (offset, numel)
+        self._params_plan = None
+        shards = zero3_params(params, params_like, _shape)
+        if shards is not None:  # ZeRO-3 ParamShards saved as they are: named through params_like
+            if shards[1] is None:
+                raise CheckpointError(f"{where}: the params are ZeRO-3 ParamShards' flat buckets ({len(params)}), "
+                                      f"which hold no names: load it with hybrid.checkpoint.jax.load (it names them "
+                                      f"from the params you pass), or open_checkpoint(path, params_like=params)")
+            named, self._params_plan, _ = shards
+            params = named
+            self._parts = {}
+            for name, (b, offset, numel) in bucket_runs(self._params_plan).items():
+                self._parts["params", name] = (*params_at, "buckets", b)
+                self._runs["params", name] = (offset, numel)
         stats = {parts[1:]: meta for parts, meta in leaves if parts[:1] == ("batch_stats",)}
         self._parts.update({("buffers", _name(p)): ("batch_stats", *p) for p in stats})
         rest = [(parts, meta) for parts, meta in leaves
                 if parts[:n] != params_at and parts[:1] != ("batch_stats",) and parts != ("step",)]
         optimizer = self._optimizer(params, rest, where)
+        own_count = optimizer[1] + ("count",) if optimizer and optimizer[0] == "adam" else None
+        others = [p for p, m in rest if _shape(m) == () and p != own_count]  # schedule counts, MultiSteps', ...
         scalars = self._restore_scalars([("step",)] * any(p == ("step",) for p, _ in leaves)
-                                        + ([optimizer[1] + ("count",)] if optimizer and optimizer[0] == "adam" else []))
+                                        + [own_count] * (own_count is not None))
+        kept = self._restore(others)
         recorded = scalars.get(("step",), manager_step)
         count = scalars.get(optimizer[1] + ("count",)) if optimizer and optimizer[0] == "adam" else None
         if recorded is None and step is None:
@@ -152,11 +180,21 @@ class OrbaxCheckpoint(ForeignCheckpoint):
             kind, node = optimizer
             info = OptimizerInfo(kind, _SLOTS[kind], int(count) if count is not None else run_step, {})
             for slot in info.slots:
-                self._parts.update({(slot, _name(p)): (*node, slot, *p) for p in params})
+                if self._zero is not None:
+                    for name, (b, offset, numel) in bucket_runs(self._zero[0]).items():
+                        self._parts[slot, name] = (*node, slot, b)
+                        self._runs[slot, name] = (offset, numel)
+                else:
+                    self._parts.update({(slot, _name(p)): (*node, slot, *p) for p in params})
         buffers = {_name(p): (_shape(m), canonical_dtype(str(m.dtype))) for p, m in stats.items()}
+        metadata = {"format": "orbax", "left_out": [_name(p) for p, _ in rest
+                                                    if not self._placed(p, optimizer) and p not in kept]}
+        if self._zero is not None:
+            metadata["zero_layout"] = {"buckets": self._zero[0].num_buckets, "plan": self._zero[0].fingerprint(),
+                                       "lengths": [b.length for b in self._zero[0].buckets]}
+        run_state = {CARRIED: carried([(p, v.item()) for p, v in kept.items()], source="orbax", where=where)} if kept else {}
         manifest = foreign_manifest("jax", specs, step=run_step, optimizer=info, buffers=buffers,
-                                    metadata={"format": "orbax", "left_out": [_name(p) for p, _ in rest
-                                                                              if not self._placed(p, optimizer)]})
+                                    metadata=metadata, run_state=run_state)
         super().__init__(checkpoint_dir, manifest, "orbax")
         self._checked = True  # the checks above ran before orbax read anything but the metadata
 
@@ -196,6 +234,13 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         if len(found) > 1:
             raise CheckpointError(f"{where}: holds several optimizer states at {[_name(n) for _, n in found]}; "
                                   f"hybrid reads one")
+        self._zero = None
+        if not found and rest:  # hybrid.jax.zero's own state: flat buckets of the params' plan
+            zero = find_zero_node({p: (_shape(m), str(m.dtype)) for p, m in params.items()}, rest, _SLOTS, _shape,
+                                  self._params_plan)
+            if zero is not None:
+                kind, node, plan, n = zero
+                found, self._zero = [(kind, node)], (plan, n)
         optimizer = found[0] if found else None
         unknown = [(p, _shape(m)) for p, m in rest if not self._placed(p, optimizer) and _shape(m) != ()]
         if unknown:
@@ -243,4 +288,8 @@ class OrbaxCheckpoint(ForeignCheckpoint):
     def _fill_many(self, wanted) -> None:
         arrays = self._restore([self._parts[k] for k in wanted])  # one restore for everything asked
         for (kind, name), ranges in wanted.items():
-            copy_ranges(to_storage(arrays[self._parts[kind, name]]).reshape(-1), ranges)
+            flat = to_storage(arrays[self._parts[kind, name]]).reshape(-1)
+            if (kind, name) in self._runs:  # a run of one of zero's flat buckets
+                offset, numel = self._runs[kind, name]
+                flat = flat[offset:offset + numel]
+            copy_ranges(flat, ranges)

@@ -1,0 +1,142 @@
+"""``hybrid.jax.zero``'s own state in an orbax checkpoint: its flat bucket layout recognised.
+
+A user who saves ``{"params": p, "opt_state": zero_state, "step": s}`` with orbax's
+``CheckpointManager`` or ``StandardCheckpointer`` stores zero's :class:`~hybrid.jax.ZeroState` as
+orbax stores any pytree: ``opt_state.inner.<chain index>...mu.<bucket>``, one 1-D array per bucket
+of the shard plan (the whole padded bucket, ``n * ceil(length / n)`` elements over ``n``
+devices). The plan's fingerprint is static pytree metadata, so orbax does not write it: the plan is
+rebuilt from the params' names, shapes and dtypes with zero's defaults (stages 1-2:
+``hybrid.core.plan_buckets``; stage 3: ``hybrid.core.zero3_plan``, the plan of ``shard_params``)
+and recognised by the number and padded lengths of the buckets. Each parameter's moment is then
+the run ``[offset, offset + numel)`` of its bucket, whatever the device count it was saved at.
+"""
+
+from __future__ import annotations
+
+from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan
+
+
+def _specs(params: dict) -> list:
+    """TensorSpecs of the params ``{key path: (shape, dtype)}`` named and ordered as
+    ``hybrid.jax.specs`` names a tree's leaves (key paths joined by ".", JAX's leaf order: dict keys
+    sorted), without importing JAX's side (``info`` imports neither optax nor flax)."""
+    from hybrid.core import TensorSpec, canonical_dtype
+
+    def order(parts):
+        return tuple((isinstance(p, str), p) for p in parts)  # list indices (ints) numerically
+
+    return [TensorSpec(".".join(map(str, parts)), tuple(shape), canonical_dtype(dtype))
+            for parts, (shape, dtype) in sorted(params.items(), key=lambda kv: order(kv[0]))]
+
+
+def candidate_plans(params: dict) -> list[tuple[str, BucketPlan]]:
+    """``[(what, plan)]``: the bucket plans ``zero`` makes of these params (``{key path: (shape,
+    dtype)}``) with its defaults (stages 1-2, then stage 3); none where they cannot be planned."""
+    from hybrid.core import plan_buckets, zero3_plan
+
+    try:
+        specs = _specs(params)
+        if not specs or any(not s.dtype.startswith(("float", "bfloat")) for s in specs):
+            return []
+        return [("zero stages 1-2 (plan_buckets, default caps)", plan_buckets(
+                    specs, bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES)),
+                ("zero stage 3 (zero3_plan, default caps)", zero3_plan(specs, bucket_cap_bytes=None,
+                                                                       first_bucket_cap_bytes=None))]
+    except (TypeError, ValueError):
+        return []
+
+
+def padded_world(plan: BucketPlan, sizes: list[int]) -> int | None:
+    """The smallest device count ``n`` whose padded buckets (``n * ceil(length / n)``) have
+    ``sizes``, or None (any divisor of a count fits alike: the layout is the same up to padding).
+
+    >>> from hybrid.core import TensorSpec, plan_buckets
+    >>> plan = plan_buckets([TensorSpec("w", (10,), "float32")])
+    >>> padded_world(plan, [12]), padded_world(plan, [10]), padded_world(plan, [9])
+    (3, 1, None)
+    """
+    if len(sizes) != plan.num_buckets or any(s < b.length for s, b in zip(sizes, plan.buckets)):
+        return None
+    for n in range(1, max(sizes) + 1):
+        if all(n * -(-b.length // n) == s for s, b in zip(sizes, plan.buckets)):
+            return n
+    return None
+
+
+def bucket_runs(plan: BucketPlan) -> dict[str, tuple[int, int, int]]:
+    """``{parameter name: (bucket, offset, numel)}``: where each parameter lies in the flat buckets.
+
+    >>> from hybrid.core import TensorSpec, plan_buckets
+    >>> bucket_runs(plan_buckets([TensorSpec("w", (2, 3), "float32"), TensorSpec("b", (3,), "float32")]))
+    {'w': (0, 0, 6), 'b': (0, 6, 3)}
+    """
+    return {plan.specs[m].name: (b, o, k) for b, bucket in enumerate(plan.buckets)
+            for m, o, k in zip(bucket.members, bucket.offsets, bucket.numels)}
+
+
+def find_zero_node(params: dict, rest: list, slots_by_kind: dict, shape_of, plan: BucketPlan | None = None
+                   ) -> tuple | None:
+    """``(kind, node, plan, n)`` for the one zero state node of ``rest`` (orbax's ``[(key path,
+    metadata)]`` of the optimizer state) whose slots are flat buckets of a plan of ``params``
+    (``{key path: (shape, dtype)}``), or None. ``plan``: the one plan it can be (the saved
+    ParamShards': stage 3); else stages 1-2's plan is tried before stage 3's, which it is where both
+    fit (params saved whole from a stage-3 run, ``unshard_params``, may fit both: save the
+    ParamShards as they are)."""
+    plans = [("the saved ParamShards' plan", plan)] if plan is not None else candidate_plans(params)
+    if not plans:
+        return None
+    found = []
+    nodes = {parts[:i] for parts, _ in rest for i in range(len(parts))}
+    for node in sorted(nodes, key=lambda p: tuple(map(str, p))):
+        k = len(node)
+        for kind, slots in slots_by_kind.items():
+            per_slot = []
+            for s in slots:
+                sub = {p[k + 1:]: shape_of(m) for p, m in rest if p[:k + 1] == (*node, s)}
+                if not sub or sorted(sub) != [(b,) for b in range(len(sub))] or any(len(v) != 1 for v in sub.values()):
+                    break
+                per_slot.append([sub[(b,)][0] for b in range(len(sub))])
+            if len(per_slot) != len(slots) or any(x != per_slot[0] for x in per_slot):
+                continue
+            for _, candidate in plans:
+                n = padded_world(candidate, per_slot[0])
+                if n is not None:
+                    found.append((kind, node, candidate, n))
+                    break
+    return found[0] if len(found) == 1 else None
+
+
+def _key_name(key):
+    for field in ("name", "key", "idx"):
+        if hasattr(key, field):
+            return getattr(key, field)
+    return str(key)
+
+
+def leaves_of(tree) -> dict[tuple, object]:
+    """``{key path: leaf}`` of a params tree (its leaves have ``shape`` and ``dtype``), keyed as
+    orbax keys its metadata."""
+    import jax
+
+    return {tuple(_key_name(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def zero3_params(saved: dict, like, shape_of) -> tuple[dict, BucketPlan, int] | None:
+    """``(params by key path, plan, n)`` where the saved params (``{key path: metadata}`` under the
+    params key) are ZeRO-3 ``ParamShards``' buckets (``buckets.<b>``, no names) of ``like``'s
+    zero3 plan (default caps, as ``shard_params``), or None."""
+    if not saved or any(p[:1] != ("buckets",) or len(p) != 2 for p in saved):
+        return None
+    if like is None:
+        return {}, None, 0
+    named = leaves_of(like)
+    sizes = {p[1]: shape_of(m) for p, m in saved.items()}
+    if sorted(sizes) != list(range(len(sizes))) or any(len(s) != 1 for s in sizes.values()):
+        return None
+    plans = [plan for what, plan in candidate_plans({p: (tuple(x.shape), str(x.dtype)) for p, x in named.items()})
+             if "stage 3" in what]
+    for plan in plans:
+        n = padded_world(plan, [sizes[b][0] for b in range(len(sizes))])
+        if n is not None:
+            return named, plan, n
+    return None

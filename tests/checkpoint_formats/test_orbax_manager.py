@@ -1,0 +1,158 @@
+"""An orbax ``CheckpointManager`` save of ``hybrid.jax.zero``'s own state, as a user writes it
+(``mngr.save(3, args=ocp.args.StandardSave({"params": p, "opt_state": zero_state, "step": 3}))``),
+resumed through ``hybrid.checkpoint.jax.load`` at another device count and stage.
+
+The run: a small MLP, 3 steps of ``zero(chain, stage=s, mesh=...)`` under a plain ``jax.jit`` on 4
+host devices (the batch sharded ``P("data")``), saved by orbax's manager, loaded at 2 devices into
+another stage and stepped 3 more times. The reference is plain optax run the same way (3 steps on
+4 devices, 3 on 2): the float32 mean of the gradient is summed in another order on 4 and 2 devices
+and in zero's buckets, so results agree within rtol 1.3e-6, atol 5e-5 (the project's float32
+same-framework tolerance); loads move elements and compute nothing, so the loaded parameters and
+counts are compared exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import hybrid.jax as hj
+from hybrid.checkpoint import CheckpointError, open_checkpoint
+from hybrid.checkpoint import jax as ckpt_jax
+from hybrid.checkpoint.orbax import OrbaxCheckpoint
+
+AXIS, SAVE, MORE = "data", 3, 3
+TOL = dict(rtol=1.3e-6, atol=5e-5)
+SCHEDULE_COUNT = 5  # the schedule's count, set apart from Adam's (3) before the save
+
+
+def _tx():
+    # AdamW with a schedule's own count beside Adam's: a chain as users write it
+    return optax.chain(optax.adamw(1e-2, weight_decay=0.1), optax.scale_by_schedule(lambda c: 1.0 / (1.0 + 0.1 * c)))
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"hidden": {"kernel": jax.random.normal(k1, (8, 16)) * 0.3, "bias": jnp.zeros(16)},
+            "out": {"kernel": jax.random.normal(k2, (16, 4)) * 0.3, "bias": jnp.zeros(4)}}
+
+
+def _loss(p, x, y):
+    h = jnp.tanh(x @ p["hidden"]["kernel"] + p["hidden"]["bias"])
+    return jnp.mean((h @ p["out"]["kernel"] + p["out"]["bias"] - y) ** 2)
+
+
+def _batch(i, mesh):
+    kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
+    x, y = jax.random.normal(kx, (8, 8)), jax.random.normal(ky, (8, 4))
+    return jax.device_put((x, y), NamedSharding(mesh, P(AXIS)))
+
+
+def _mesh(n):
+    return Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+
+def _step(tx, loss):
+    def step(params, state, x, y):
+        u, state = tx.update(jax.grad(loss)(params, x, y), state, params)
+        return optax.apply_updates(params, u), state
+    return jax.jit(step)
+
+
+def _zero(stage, mesh):
+    """``(tx, params, state, step)`` of the plain-jit zero loop at ``stage`` on ``mesh``."""
+    tx = hj.zero(_tx(), AXIS, stage=stage, mesh=mesh)
+    if stage == 3:
+        return tx, hj.shard_params(_params(), AXIS, mesh=mesh), _step(tx, hj.gathered(_loss))
+    return tx, jax.device_put(_params(), NamedSharding(mesh, P())), _step(tx, _loss)
+
+
+def _with_schedule_count(state, count):
+    def set_count(x):
+        if isinstance(x, optax.ScaleByScheduleState):
+            return x._replace(count=jnp.full_like(x.count, count))
+        return x
+    return jax.tree.map(set_count, state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+
+
+def _counts(state):
+    found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState)))
+    return [(type(x).__name__, int(x.count)) for x in found
+            if isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState))]
+
+
+@functools.cache
+def _reference():
+    """Plain optax: SAVE steps on 4 devices, the schedule count set as the zero run's, MORE on 2."""
+    tx, params = _tx(), _params()
+    state = tx.init(params)
+    for i in range(SAVE + MORE):
+        mesh = _mesh(4 if i < SAVE else 2)
+        if i == SAVE:
+            state = _with_schedule_count(state, SCHEDULE_COUNT)
+        params, state = jax.device_put((params, state), NamedSharding(mesh, P()))
+        params, state = _step(tx, _loss)(params, state, *_batch(i, mesh))
+    return params
+
+
+def _save(root, stage):
+    """A CheckpointManager save at step SAVE of the zero run at ``stage`` on 4 devices."""
+    mesh = _mesh(4)
+    tx, params, step = _zero(stage, mesh)
+    state = jax.jit(tx.init)(params)
+    for i in range(SAVE):
+        params, state = step(params, state, *_batch(i, mesh))
+    state = _with_schedule_count(state, SCHEDULE_COUNT)
+    saved = hj.unshard_params(params) if stage == 3 else params
+    with ocp.CheckpointManager(root) as mngr:
+        mngr.save(SAVE, args=ocp.args.StandardSave({"params": params, "opt_state": state, "step": SAVE}))
+    return saved
+
+
+@pytest.mark.parametrize("saved_stage,resumed_stage", [(1, 2), (2, 3), (3, 1), (3, 3)])
+def test_manager_save_of_zero_resumes_at_two_devices(tmp_path, saved_stage, resumed_stage):
+    saved_params = _save(str(tmp_path / "mngr"), saved_stage)
+    mesh = _mesh(2)
+    tx, params, step = _zero(resumed_stage, mesh)
+    where = tmp_path / "mngr" / str(SAVE) / ("default" if saved_stage == 2 else "")
+    params, state, at = ckpt_jax.load(str(where), params, jax.jit(tx.init)(params))
+    assert at == SAVE
+    whole = hj.unshard_params(params) if resumed_stage == 3 else params
+    jax.tree.map(np.testing.assert_array_equal, whole, saved_params)  # a load moves elements only
+    assert _counts(state) == [("ScaleByAdamState", SAVE), ("ScaleByScheduleState", SCHEDULE_COUNT)]
+    for i in range(SAVE, SAVE + MORE):
+        params, state = step(params, state, *_batch(i, mesh))
+    whole = hj.unshard_params(params) if resumed_stage == 3 else params
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), whole, _reference())
+
+
+def test_info_lists_the_kept_scalars_and_wrong_directories_are_named(tmp_path, capsys):
+    from hybrid.cli.checkpoint import _print_info, describe
+
+    root = tmp_path / "mngr"
+    _save(str(root), 1)
+    d = describe(open_checkpoint(str(root)))  # the manager's root: its latest step
+    assert d["left_out"] == [] and d["zero_layout"]["lengths"] == [8 * 16 + 16 + 16 * 4 + 4]
+    assert d["carried_values"] == {"opt_state.inner.1.count": SCHEDULE_COUNT}
+    _print_info(d)
+    out = capsys.readouterr().out
+    assert f"opt_state.inner.1.count = {SCHEDULE_COUNT}" in out and "zero's flat buckets" in out
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(CheckpointError, match=r"elsewhere: holds no orbax pytree.*\(root/3\) or the item directory"):
+        OrbaxCheckpoint(tmp_path / "elsewhere")
+
+
+def test_zero_layout_doctests():
+    import doctest
+
+    from hybrid.checkpoint.orbax import _zero_layout
+
+    result = doctest.testmod(_zero_layout)
+    assert result.attempted > 0 and result.failed == 0
