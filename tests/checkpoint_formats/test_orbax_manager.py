@@ -156,3 +156,20 @@ def test_zero_layout_doctests():
 
     result = doctest.testmod(_zero_layout)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_plain_optax_save_keeps_its_schedule_count_in_zero(tmp_path):
+    """The issue's case: plain optax saved by orbax, schedule count 5 beside Adam's 3, into zero."""
+    tx, params = _tx(), _params()
+    state = tx.init(params)
+    for i in range(SAVE):
+        params, state = _step(tx, _loss)(params, state, *_batch(i, _mesh(1)))
+    state = _with_schedule_count(state, SCHEDULE_COUNT)
+    with ocp.CheckpointManager(str(tmp_path / "mngr")) as mngr:
+        mngr.save(SAVE, args=ocp.args.StandardSave({"params": params, "opt_state": state, "step": SAVE}))
+    mesh = _mesh(2)
+    ztx, zparams, _ = _zero(2, mesh)
+    _, loaded, _ = ckpt_jax.load(str(tmp_path / "mngr" / str(SAVE)), zparams, jax.jit(ztx.init)(zparams))
+    assert _counts(loaded) == [("ScaleByAdamState", SAVE), ("ScaleByScheduleState", SCHEDULE_COUNT)]
+    _, plain, _ = ckpt_jax.load(str(tmp_path / "mngr"), params, tx.init(params))  # and into plain optax
+    assert _counts(plain) == [("ScaleByAdamState", SAVE), ("ScaleByScheduleState", SCHEDULE_COUNT)]
