@@ -152,10 +152,11 @@ def test_info_lists_the_kept_scalars_and_wrong_directories_are_named(tmp_path, c
 def test_zero_layout_doctests():
     import doctest
 
-    from hybrid.checkpoint.orbax import _zero_layout
+    from hybrid.checkpoint.orbax import _format, _zero_layout
 
-    result = doctest.testmod(_zero_layout)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (_zero_layout, _format):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0
 
 
 def test_a_plain_optax_save_keeps_its_schedule_count_in_zero(tmp_path):
@@ -173,3 +174,22 @@ def test_a_plain_optax_save_keeps_its_schedule_count_in_zero(tmp_path):
     assert _counts(loaded) == [("ScaleByAdamState", SAVE), ("ScaleByScheduleState", SCHEDULE_COUNT)]
     _, plain, _ = ckpt_jax.load(str(tmp_path / "mngr"), params, tx.init(params))  # and into plain optax
     assert _counts(plain) == [("ScaleByAdamState", SAVE), ("ScaleByScheduleState", SCHEDULE_COUNT)]
+
+
+def test_convert_into_a_managers_step_directory_restores_in_orbax(tmp_path):
+    """``convert(..., "root/7", to="orbax")`` writes a CheckpointManager's step: its restore(7) finds it."""
+    from hybrid.checkpoint import convert
+
+    params = _params()
+    tx = optax.adam(1e-2)
+    state = tx.init(params)
+    params, state = _step(tx, _loss)(params, state, *_batch(0, _mesh(1)))
+    ckpt_jax.save(str(tmp_path / "h"), params, state, step=7)
+    (tmp_path / "mngr").mkdir()
+    convert(str(tmp_path / "h"), str(tmp_path / "mngr" / "7"), to="orbax")
+    with ocp.CheckpointManager(str(tmp_path / "mngr")) as mngr:
+        assert mngr.latest_step() == 7
+        restored = mngr.restore(7, args=ocp.args.StandardRestore())
+    assert int(restored["step"]) == 7
+    jax.tree.map(np.testing.assert_array_equal, restored["params"], params)  # moved, not computed: exact
+    assert open_checkpoint(str(tmp_path / "mngr")).manifest.step == 7

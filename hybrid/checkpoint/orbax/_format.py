@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
+import shutil
 
 from hybrid.checkpoint._plugin import CheckpointFormat
 from hybrid.checkpoint._protocol import resolve
@@ -44,9 +46,35 @@ class OrbaxFormat(CheckpointFormat):
         del options  # the tree was laid out by like= / mapping= before
 
         def write(path: pathlib.Path) -> None:
-            with ocp.StandardCheckpointer() as checkpointer:  # closing waits for the save, ends its threads
-                checkpointer.save(os.path.abspath(path), source)
+            path = pathlib.Path(os.path.abspath(path))
+            step = manager_step(path)
+            if step is None:
+                with ocp.StandardCheckpointer() as checkpointer:  # closing waits for the save, ends its threads
+                    checkpointer.save(path, source)
+                return
+            # A CheckpointManager's step directory (root/5): written by a manager, so that its
+            # restore(5) finds the item "default" and the step's metadata, then moved into place.
+            scratch = path.parent / f".{path.name}.manager"
+            shutil.rmtree(scratch, ignore_errors=True)
+            try:
+                with ocp.CheckpointManager(scratch) as manager:
+                    manager.save(step, args=ocp.args.StandardSave(source))
+                    manager.wait_until_finished()
+                os.rename(scratch / str(step), path)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         return write
+
+
+def manager_step(path: pathlib.Path) -> int | None:
+    """The step of a CheckpointManager's step directory a writer is given (``root/5``, or the
+    hidden ``root/.5.converting`` that ``convert`` writes first), or None for any other name.
+
+    >>> manager_step(pathlib.Path("run/5")), manager_step(pathlib.Path("run/.12.converting")), manager_step(pathlib.Path("run/o"))
+    (5, 12, None)
+    """
+    found = re.fullmatch(r"(\d+)|\.(\d+)\.converting", path.name)
+    return None if found is None else int(found.group(1) or found.group(2))
 
 
 FORMAT = OrbaxFormat()
