@@ -193,3 +193,37 @@ def test_convert_into_a_managers_step_directory_restores_in_orbax(tmp_path):
     assert int(restored["step"]) == 7
     jax.tree.map(np.testing.assert_array_equal, restored["params"], params)  # moved, not computed: exact
     assert open_checkpoint(str(tmp_path / "mngr")).manifest.step == 7
+
+
+def test_multi_steps_and_apply_if_finite_state_comes_back_as_saved(tmp_path):
+    """MultiSteps(zero(chain with optax.apply_if_finite and a schedule)) saved mid-accumulation on 4
+    devices: its counters, apply_if_finite's, the schedule's count and the accumulated gradients
+    load as saved at 2 devices (moved, not computed: exact), and info lists the scalars as carried."""
+    from hybrid.cli.checkpoint import describe
+
+    def make(n):
+        mesh = _mesh(n)
+        inner = optax.chain(optax.apply_if_finite(optax.adamw(1e-2), 3), optax.scale_by_schedule(lambda c: 1.0))
+        tx = optax.MultiSteps(hj.zero(inner, AXIS, stage=2, mesh=mesh), 2)
+        return tx, jax.device_put(_params(), NamedSharding(mesh, P()))
+
+    tx, params = make(4)
+    state = jax.jit(tx.init)(params)
+    update = jax.jit(tx.update)
+    for i in range(3):  # one whole step and half of the next: acc_grads hold a gradient
+        grads = jax.grad(_loss)(params, *_batch(i, _mesh(4)))
+        state = update(grads, state, params)[1]
+    with ocp.CheckpointManager(str(tmp_path / "mngr")) as mngr:
+        mngr.save(3, args=ocp.args.StandardSave({"params": params, "opt_state": state, "step": 3}))
+    carried = describe(open_checkpoint(str(tmp_path / "mngr")))["carried_values"]
+    assert carried["opt_state.mini_step"] == 1 and carried["opt_state.gradient_step"] == 1
+    assert carried["opt_state.inner_opt_state.inner.0.notfinite_count"] == 0
+    tx2, params2 = make(2)
+    _, loaded, _ = ckpt_jax.load(str(tmp_path / "mngr" / "3" / "default"), params2, jax.jit(tx2.init)(params2))
+    for field in ("mini_step", "gradient_step"):
+        assert int(getattr(loaded, field)) == int(getattr(state, field))
+    jax.tree.map(np.testing.assert_array_equal, loaded.acc_grads, state.acc_grads)
+    saved_inner, loaded_inner = state.inner_opt_state.inner, loaded.inner_opt_state.inner
+    assert int(loaded_inner[0].total_notfinite) == int(saved_inner[0].total_notfinite)
+    assert int(loaded_inner[1].count) == int(saved_inner[1].count) == 1
+    jax.tree.map(np.testing.assert_array_equal, loaded_inner[0].inner_state[0].mu, saved_inner[0].inner_state[0].mu)

@@ -206,9 +206,9 @@ def _load_state(ckpt: CheckpointReader, layout: _Layout, opt_state):
 
 
 def _state_path(parts) -> tuple:
-    """A leaf's path in an optax state, the same whether it sits in a ZeroState (``inner``) or not."""
-    parts = tuple(str(p) for p in parts)
-    return parts[1:] if parts[:1] == ("inner",) else parts
+    """A leaf's path in an optax state, the same whether it sits in a ZeroState (its field
+    ``inner``, wherever the zero transform is in the chain) or not."""
+    return tuple(str(p) for p in parts if str(p) != "inner")
 
 
 def _with_saved_scalars(opt_state, ckpt: CheckpointReader):
@@ -219,6 +219,8 @@ def _with_saved_scalars(opt_state, ckpt: CheckpointReader):
 
     saved = {_state_path(path[1:]): value for path, value in carried_entries(ckpt.manifest.run_state)
              if path[:1] == ("opt_state",)}
+    arrays = ckpt.state_arrays() if hasattr(ckpt, "state_arrays") else {}  # an orbax save's MultiSteps acc_grads
+    saved.update({_state_path(path[1:]): value for path, value in arrays.items() if path[:1] == ("opt_state",)})
     if not saved:
         return opt_state
     leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
@@ -231,6 +233,10 @@ def _with_saved_scalars(opt_state, ckpt: CheckpointReader):
 
     out = []
     for path, leaf in leaves:
-        value = saved.get(_state_path(name(k) for k in path))
-        out.append(leaf if value is None or np.shape(leaf) != () else _like(np.asarray(value), leaf))
+        at = _state_path(name(k) for k in path)
+        value = saved.get(at)
+        if value is not None and np.shape(value) != np.shape(leaf):
+            raise CheckpointError(f"{ckpt.path}: the optimizer state's {'.'.join(at)!r} is saved with shape "
+                                  f"{list(np.shape(value))}, the state loaded into holds {list(np.shape(leaf))}")
+        out.append(leaf if value is None else _like(np.asarray(value), leaf))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -187,8 +187,9 @@ class OrbaxCheckpoint(ForeignCheckpoint):
                 else:
                     self._parts.update({(slot, _name(p)): (*node, slot, *p) for p in params})
         buffers = {_name(p): (_shape(m), canonical_dtype(str(m.dtype))) for p, m in stats.items()}
-        metadata = {"format": "orbax", "left_out": [_name(p) for p, _ in rest
-                                                    if not self._placed(p, optimizer) and p not in kept]}
+        metadata = {"format": "orbax", "left_out": [_name(p) for p, _ in rest if not self._placed(p, optimizer)
+                                                    and p not in kept and p not in self._state_arrays],
+                    "state_arrays": [_name(p) for p in self._state_arrays]}
         if self._zero is not None:
             metadata["zero_layout"] = {"buckets": self._zero[0].num_buckets, "plan": self._zero[0].fingerprint(),
                                        "lengths": [b.length for b in self._zero[0].buckets]}
@@ -242,7 +243,12 @@ class OrbaxCheckpoint(ForeignCheckpoint):
                 kind, node, plan, n = zero
                 found, self._zero = [(kind, node)], (plan, n)
         optimizer = found[0] if found else None
-        unknown = [(p, _shape(m)) for p, m in rest if not self._placed(p, optimizer) and _shape(m) != ()]
+        # Params-shaped trees beside the optimizer (MultiSteps' acc_grads): put back as saved by load.
+        loose = [(p, m) for p, m in rest if not self._placed(p, optimizer) and _shape(m) != ()]
+        like = sorted({p[:i] for p, _ in loose for i in range(1, len(p))
+                       if self._like_params(loose, p[:i], shapes)}, key=len)
+        self._state_arrays = [p for p, _ in loose if any(p[:len(n)] == n for n in like)]
+        unknown = [(p, _shape(m)) for p, m in loose if p not in self._state_arrays]
         if unknown:
             parts, shape = unknown[0]
             raise CheckpointError(f"{where}: the optimizer state holds {_name(parts)!r} {list(shape)}"
@@ -281,6 +287,11 @@ class OrbaxCheckpoint(ForeignCheckpoint):
             restored = checkpointer.restore(
                 self._dir, args=ocp.args.PyTreeRestore(item=template, restore_args=args, partial_restore=True))
         return {p: np.asarray(_at(restored, p)) for p in wanted}
+
+    def state_arrays(self) -> dict[tuple, np.ndarray]:
+        """``{key path: array}``: the params-shaped trees the optimizer state holds beside its
+        moments (MultiSteps' ``acc_grads``), whole, which ``hybrid.checkpoint.jax.load`` puts back."""
+        return self._restore(self._state_arrays)
 
     def _restore_scalars(self, wanted) -> dict[tuple, int]:
         return {p: int(v) for p, v in self._restore(wanted).items()}
