@@ -73,6 +73,7 @@ def describe(ckpt) -> dict:
             "carried": [".".join(map(str, e["path"])) for e in m.run_state.get("carried", {}).get("entries", [])],
             "left_out": list(m.metadata.get("left_out", [])),
             "carried_values": _scalars(m.run_state),
+            "state_arrays": list(m.metadata.get("state_arrays", [])),
             "zero_layout": m.metadata.get("zero_layout")}
 
 
@@ -109,6 +110,8 @@ def _print_info(d: dict) -> None:
         values = d.get("carried_values", {})
         shown = [f"{n} = {values[n]}" if n in values else n for n in d["carried"]]
         print(f"  carried (the run's other state, kept through convert; optax state scalars load as saved): {shown}")
+    if d.get("state_arrays"):
+        print(f"  optimizer state arrays beside the moments, loaded as saved (MultiSteps' acc_grads): {d['state_arrays']}")
     if d["left_out"]:
         print(f"  left out (not model, optimizer or step): {d['left_out']}")
     for t in d["tensors"]:

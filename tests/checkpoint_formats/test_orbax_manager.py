@@ -215,9 +215,12 @@ def test_multi_steps_and_apply_if_finite_state_comes_back_as_saved(tmp_path):
         state = update(grads, state, params)[1]
     with ocp.CheckpointManager(str(tmp_path / "mngr")) as mngr:
         mngr.save(3, args=ocp.args.StandardSave({"params": params, "opt_state": state, "step": 3}))
-    carried = describe(open_checkpoint(str(tmp_path / "mngr")))["carried_values"]
+    info = describe(open_checkpoint(str(tmp_path / "mngr")))
+    carried = info["carried_values"]
     assert carried["opt_state.mini_step"] == 1 and carried["opt_state.gradient_step"] == 1
     assert carried["opt_state.inner_opt_state.inner.0.notfinite_count"] == 0
+    assert info["state_arrays"] == ["opt_state.acc_grads.hidden.bias", "opt_state.acc_grads.hidden.kernel",
+                                    "opt_state.acc_grads.out.bias", "opt_state.acc_grads.out.kernel"]
     tx2, params2 = make(2)
     _, loaded, _ = ckpt_jax.load(str(tmp_path / "mngr" / "3" / "default"), params2, jax.jit(tx2.init)(params2))
     for field in ("mini_step", "gradient_step"):

@@ -10,7 +10,11 @@ parameters under ``params`` (flax's ``TrainState`` and the usual ``{"params", "o
 the optax state it knows: one ``ScaleByAdamState`` (fields ``count``, ``mu``, ``nu`` laid out
 like the params: adam, adamw, ...) or ``TraceState`` (``trace``: sgd with momentum). Any other
 array of the state (adagrad's ``sum_of_squares``, lion's lone ``mu``, adafactor's factored
-moments) is refused, naming it. Arrays are read with orbax's own restore, whole, to the host,
+moments) is refused, naming it. ``hybrid.jax.zero``'s own state (its moments as flat buckets) is
+recognised by its bucket layout (``_zero_layout.py``). The state's other scalars (schedule counts,
+``MultiSteps``' and ``apply_if_finite``'s counters) are carried (``run_state["carried"]``) and
+params-shaped trees beside the moments (``MultiSteps``' ``acc_grads``) listed: the JAX loader puts
+both back as saved, by key path. Arrays are read with orbax's own restore, whole, to the host,
 only the leaves a load asks for. Every file is checked first (``_safety.py``).
 """
 
