@@ -74,6 +74,7 @@ def describe(ckpt) -> dict:
             "left_out": list(m.metadata.get("left_out", [])),
             "carried_values": _scalars(m.run_state),
             "state_arrays": list(m.metadata.get("state_arrays", [])),
+            "unnamed": m.metadata.get("unnamed_param_shards"),
             "zero_layout": m.metadata.get("zero_layout")}
 
 
@@ -110,6 +111,8 @@ def _print_info(d: dict) -> None:
         values = d.get("carried_values", {})
         shown = [f"{n} = {values[n]}" if n in values else n for n in d["carried"]]
         print(f"  carried (the run's other state, kept through convert; optax state scalars load as saved): {shown}")
+    if d.get("unnamed"):
+        print(f"  {d['unnamed']}")
     if d.get("state_arrays"):
         print(f"  optimizer state arrays beside the moments, loaded as saved (MultiSteps' acc_grads): {d['state_arrays']}")
     if d["left_out"]:

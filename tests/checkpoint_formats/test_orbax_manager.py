@@ -144,6 +144,10 @@ def test_info_lists_the_kept_scalars_and_wrong_directories_are_named(tmp_path, c
     _print_info(d)
     out = capsys.readouterr().out
     assert f"opt_state.inner.1.count = {SCHEDULE_COUNT}" in out and "zero's flat buckets" in out
+    _save(str(tmp_path / "stage3"), 3)  # ParamShards saved as they are: info says what they are
+    d = describe(open_checkpoint(str(tmp_path / "stage3")))
+    assert "ParamShards" in d["unnamed"] and d["optimizer"]["slots"] == ["mu", "nu"]
+    assert d["carried_values"] == {"opt_state.inner.1.count": SCHEDULE_COUNT} and d["left_out"] == []
     (tmp_path / "elsewhere").mkdir()
     with pytest.raises(CheckpointError, match=r"elsewhere: holds no orbax pytree.*\(root/3\) or the item directory"):
         OrbaxCheckpoint(tmp_path / "elsewhere")

@@ -151,11 +151,8 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         self._runs: dict[tuple[str, str], tuple[int, int]] = {}  # in zero's flat buckets: (offset, numel)
         self._params_plan = None
         shards = zero3_params(params, params_like, _shape)
-        if shards is not None:  # ZeRO-3 ParamShards saved as they are: named through params_like
-            if shards[1] is None:
-                raise CheckpointError(f"{where}: the params are ZeRO-3 ParamShards' flat buckets ({len(params)}), "
-                                      f"which hold no names: load it with hybrid.checkpoint.jax.load (it names them "
-                                      f"from the params you pass), or open_checkpoint(path, params_like=params)")
+        self._unnamed = shards is not None and shards[1] is None  # ParamShards, no params_like: buckets.<b>
+        if shards is not None and not self._unnamed:  # ZeRO-3 ParamShards saved as they are: named by params_like
             named, self._params_plan, _ = shards
             params = named
             self._parts = {}
@@ -188,12 +185,15 @@ class OrbaxCheckpoint(ForeignCheckpoint):
                     for name, (b, offset, numel) in bucket_runs(self._zero[0]).items():
                         self._parts[slot, name] = (*node, slot, b)
                         self._runs[slot, name] = (offset, numel)
-                else:
-                    self._parts.update({(slot, _name(p)): (*node, slot, *p) for p in params})
+                else:  # unnamed ParamShards: the moments are the same buckets, slot.<b>
+                    self._parts.update({(slot, _name(p)): (*node, slot, *p[self._unnamed:]) for p in params})
         buffers = {_name(p): (_shape(m), canonical_dtype(str(m.dtype))) for p, m in stats.items()}
         metadata = {"format": "orbax", "left_out": [_name(p) for p, _ in rest if not self._placed(p, optimizer)
                                                     and p not in kept and p not in self._state_arrays],
                     "state_arrays": [_name(p) for p in self._state_arrays]}
+        if self._unnamed:
+            metadata["unnamed_param_shards"] = (f"the params are ZeRO-3 ParamShards' flat buckets, which hold no names: "
+                                                f"hybrid.checkpoint.jax.load names them from the params it is given")
         if self._zero is not None:
             metadata["zero_layout"] = {"buckets": self._zero[0].num_buckets, "plan": self._zero[0].fingerprint(),
                                        "lengths": [b.length for b in self._zero[0].buckets]}
@@ -229,7 +229,7 @@ class OrbaxCheckpoint(ForeignCheckpoint):
     def _optimizer(self, params: dict, rest: list, where: str):
         """``(kind, key path of its node)`` of the one optax state node hybrid knows, or None;
         any other array of the state is refused, naming it."""
-        shapes = {p: _shape(m) for p, m in params.items()}
+        shapes = {p[self._unnamed:]: _shape(m) for p, m in params.items()}  # ParamShards' moments: slot.<b>
         found = []
         nodes = {parts[:i] for parts, _ in rest for i in range(len(parts))}
         for node in sorted(nodes, key=lambda p: tuple(map(str, p))):
