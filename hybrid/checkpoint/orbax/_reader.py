@@ -36,6 +36,7 @@ from hybrid.checkpoint.orbax._zero_layout import bucket_runs, find_zero_node, ze
 _SLOTS = {"adam": ("mu", "nu"), "sgd": ("trace",)}
 _KNOWN = ("optax's adam / adamw (ScaleByAdamState: count, mu, nu) and sgd with momentum (TraceState: trace), "
           "laid out like the params or as hybrid.jax.zero's flat buckets (its default bucket caps)")
+_BESIDE = ("acc_grads",)  # params-shaped state beside the moments that load puts back (optax.MultiSteps)
 _WHERE_TO_POINT = ("point at a CheckpointManager's directory, one of its step directories (root/3) or the "
                    "item directory inside it (root/3/default), or a StandardCheckpointer's directory")
 
@@ -247,10 +248,11 @@ class OrbaxCheckpoint(ForeignCheckpoint):
                 kind, node, plan, n = zero
                 found, self._zero = [(kind, node)], (plan, n)
         optimizer = found[0] if found else None
-        # Params-shaped trees beside the optimizer (MultiSteps' acc_grads): put back as saved by load.
+        # MultiSteps' acc_grads (params-shaped, beside a known optimizer): put back as saved by load.
+        # Only those: any other array (adagrad's sum_of_squares) is a moment hybrid cannot carry.
         loose = [(p, m) for p, m in rest if not self._placed(p, optimizer) and _shape(m) != ()]
-        like = sorted({p[:i] for p, _ in loose for i in range(1, len(p))
-                       if self._like_params(loose, p[:i], shapes)}, key=len)
+        like = sorted({p[:i] for p, _ in loose for i in range(1, len(p)) if optimizer is not None
+                       and p[i - 1] in _BESIDE and self._like_params(loose, p[:i], shapes)}, key=len)
         self._state_arrays = [p for p, _ in loose if any(p[:len(n)] == n for n in like)]
         unknown = [(p, _shape(m)) for p, m in loose if p not in self._state_arrays]
         if unknown:
