@@ -234,3 +234,15 @@ def test_multi_steps_and_apply_if_finite_state_comes_back_as_saved(tmp_path):
     assert int(loaded_inner[0].total_notfinite) == int(saved_inner[0].total_notfinite)
     assert int(loaded_inner[1].count) == int(saved_inner[1].count) == 1
     jax.tree.map(np.testing.assert_array_equal, loaded_inner[0].inner_state[0].mu, saved_inner[0].inner_state[0].mu)
+
+
+def test_hybrids_own_save_keeps_a_schedule_count_too(tmp_path):
+    """The same chain saved by hybrid.checkpoint.jax.save from zero at 4 devices, loaded at 2."""
+    mesh = _mesh(4)
+    tx, params, step = _zero(2, mesh)
+    state = jax.jit(tx.init)(params)
+    params, state = step(params, state, *_batch(0, mesh))
+    ckpt_jax.save(str(tmp_path / "h"), params, _with_schedule_count(state, SCHEDULE_COUNT), step=1)
+    tx2, params2, _ = _zero(1, _mesh(2))
+    _, loaded, _ = ckpt_jax.load(str(tmp_path / "h"), params2, jax.jit(tx2.init)(params2))
+    assert _counts(loaded) == [("ScaleByAdamState", 1), ("ScaleByScheduleState", SCHEDULE_COUNT)]

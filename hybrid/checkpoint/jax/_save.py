@@ -95,6 +95,10 @@ def save(path: str | os.PathLike, params, opt_state=None, *, step: int, order=No
         info = OptimizerInfo(optimizer or ("adam" if "nu" in kinds else "sgd"), kinds, count,
                              dict(hyperparameters or {}))
         slots = {s: getattr(node, s) for s in kinds}
+        scalars = _state_scalars(opt_state, node)
+        if scalars:  # a schedule's own count, MultiSteps' and apply_if_finite's counters: loaded as saved
+            from hybrid.checkpoint._other_state import CARRIED, carried
+            extras["run_state"] = {**extras["run_state"], CARRIED: carried(scalars, source="jax", where=str(path))}
     common = dict(plan=layout.plan, step=step, stage=stage, optimizer=info, **extras)
     if zero is None:
         if sliced_params:
@@ -145,3 +149,18 @@ def _named_buffers(buffers) -> dict[str, np.ndarray]:
         return {}
     names, leaves, _ = _leaves(buffers)
     return {n: _host(x) for n, x in zip(names, leaves)}
+
+
+def _state_scalars(opt_state, node) -> list[tuple[tuple, object]]:
+    """``[(("opt_state", *key path), value)]``: every scalar of the optax state but the slot node's
+    count (which the manifest's optimizer count is), as plain numbers."""
+    def name(key) -> str:
+        for field in ("name", "key", "idx"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+
+    own = id(getattr(node, "count", None)) if "count" in getattr(node, "_fields", ()) else None
+    return [(("opt_state", *(name(k) for k in path)), _host(x).item())
+            for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+            if np.ndim(x) == 0 and id(x) != own]
