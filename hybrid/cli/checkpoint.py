@@ -7,7 +7,7 @@ checked first, then written into a hidden sibling of DST that is renamed to DST 
 each stage is printed to stderr. Objects the conversion needs (a ``ParamMapping``, the
 ``(params, opt_state)`` an orbax checkpoint is laid out like) are named by reference
 (``pkg.module:name``, importable from the current directory; a function is called). See
-docs/checkpoints.md, "Other tools' checkpoints".
+docs/checkpoints-dcp-orbax.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ write) in and out of hybrid.
 optimizer)`` as hybrid reads its own checkpoints (every loader takes it, or recognises the
 directory: ``hybrid.checkpoint.torch.load(path, ...)``); :func:`write_dcp` writes a checkpoint
 that torch's own ``dcp.load`` and ``set_state_dict`` read into an FSDP2 (or any) model and
-optimizer. See docs/checkpoints.md, "Other tools' checkpoints".
+optimizer. See docs/checkpoints-dcp-orbax.md.
 
 The format's plug-in (``_format.py``: recognising, opening, writing) is what the registry of
 ``hybrid.checkpoint`` imports; the names below are imported on first use (PEP 562), so

@@ -6,7 +6,7 @@ and out of hybrid.
 devices) as hybrid reads its own checkpoints (``hybrid.checkpoint.jax.load(path, ...)``
 recognises it; torch's loader reads it through a mapping); :func:`write_orbax` writes any
 checkpoint hybrid reads as one that orbax restores into a flax ``TrainState`` or
-``{"params", "opt_state", "step"}``. See docs/checkpoints.md, "Other tools' checkpoints".
+``{"params", "opt_state", "step"}``. See docs/checkpoints-dcp-orbax.md.
 
 The format's plug-in (``_format.py``: recognising, opening, writing) is what the registry of
 ``hybrid.checkpoint`` imports; the names below are imported on first use (PEP 562), so

@@ -134,7 +134,7 @@ class ZeRO3(nn.Module):
         parameters: FSDP2's unit when ``fully_shard`` wraps every layer, whatever its size) and
         nothing kept between the forward and the backward, so a rank holds at most a module or
         two gathered; a collective per module, which costs step time where modules are small
-        (docs/zero.md, "Memory or speed").
+        (docs/zero3-memory.md, "Memory or speed").
       external_params: ``{module: [parameters]}``: parameters of other modules that ``module``'s
         forward reads, gathered with its own (DeepSpeed's ``register_external_parameter``).
         Needed only for speed: a read outside the parameter's own module is seen where it
