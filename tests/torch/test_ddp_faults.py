@@ -1,8 +1,11 @@
-"""A DDP peer that dies or stalls: the survivor raises within the process group's timeout (5 s
-here; the test allows 2x), with a message naming the collective that gave up, never hangs.
+"""A DDP peer that dies or stalls: the survivor raises within the process group's timeout (2 s
+here, set once the setup is done; the test allows 2x), with a message naming the collective that
+gave up, never hangs.
 
-One 2-rank forkserver launch per case. The victim does two good iterations (so DDP has rebuilt
-its buckets), then dies (``os._exit``) or sleeps for 3x the timeout at the point the case names;
+One 2-rank forkserver launch per case (a rank dies or stalls, so no world can be shared). The group
+starts with a 30 s timeout, so that a slow start on a loaded machine is not taken for a fault. The
+victim does two good iterations (so DDP has rebuilt its buckets), both ranks then set the 2 s
+timeout, and the victim dies (``os._exit``) or sleeps for 3x the timeout at the point the case names;
 the survivor runs one more iteration and reports what it raised and after how long. The existing
 ``test_dead_peer_raises_quickly`` in test_ddp.py checks a 60 s group (gloo notices the closed
 socket); these use the short timeout a user would set to fail fast, and check the wording.
@@ -17,7 +20,8 @@ import torch
 
 from tests._procs import forkserver_ranks
 
-TIMEOUT_S = 5
+SETUP_TIMEOUT_S = 30
+TIMEOUT_S = 2  # the process group's timeout once the setup is done: what the survivor must meet
 
 # case -> (what the victim does before its third iteration, what the survivor's message contains)
 CASES = {
@@ -55,12 +59,13 @@ class _Unused(torch.nn.Module):
 def _fault_worker(case, rank, port, out):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.distributed_c10d import _set_pg_timeout
 
     from hybrid.torch import DistributedDataParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S))
     torch.manual_seed(0)
     model = {"buffers-die": _WithBuffers, "unused-dies": _Unused}.get(
         case, lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))()
@@ -74,6 +79,8 @@ def _fault_worker(case, rank, port, out):
 
     for _ in range(2):
         iteration()
+    dist.barrier()
+    _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT_S))
     fault, _ = CASES[case]
     if rank == 1:
         # "buffers-die" dies before its forward (the survivor's buffer broadcast fails); the
@@ -110,7 +117,7 @@ def _hook_bug_worker(rank, port, out):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S))
     ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
 
     def buggy(state, bucket):
