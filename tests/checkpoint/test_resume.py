@@ -8,16 +8,19 @@ changes the order of float32 additions in the gradient mean) and within the pari
 across frameworks (losses rtol 1e-5 / atol 1e-6, parameters rtol 1e-4 / atol 1e-5, as
 tests/parity: the frameworks' float32 kernels round differently).
 
-The torch runs start worlds of their own (``spawn_world``, fresh processes): the world size a
-checkpoint is saved at and loaded into is the subject, and each of 2, 3, 1 and 2 ranks is started
-once (the two 3-rank runs share one world).
+The torch runs start worlds of their own: the world size a checkpoint is saved at and loaded into
+is the subject, and each of 2, 3, 1 and 2 ranks is started once (the two 3-rank runs share one
+world). Their ranks are forked from the test run's preloaded forkserver (``_torch_world``), not
+fresh interpreters each importing torch as ``launch_torch`` / ``spawn_world`` start them.
 """
 
 import numpy as np
 import pytest
 
+import hybrid.demo as demo  # train_jax on use: the torch ranks import this module and need no jax
 from hybrid.checkpoint import Checkpoint
-from hybrid.demo import TrainConfig, launch_torch, spawn_world, train_jax, train_torch
+from hybrid.demo import TrainConfig, train_torch
+from tests.checkpoint._torch_world import torch_world
 
 STEPS, SAVE = 12, 6
 # 48 rows split evenly over 1, 2 and 3 ranks or devices.
@@ -32,24 +35,25 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
     out = {"dir": d}
     # torch, 2 ranks, ZeRO-1: saves at step 6 and trains on, uninterrupted, to 12.
-    out["torch2"] = launch_torch(TrainConfig(**CONFIG), world_size=2, save_to=str(d / "torch2"), save_at=SAVE)
+    out["torch2"] = torch_world(train_torch, TrainConfig(**CONFIG), world_size=2, save_to=str(d / "torch2"),
+                                save_at=SAVE)
     # 2 -> 3: torch ZeRO2 on 3 ranks from the 2-rank checkpoint; saves again at step 9. The same
     # 3-rank world then loads the 2-rank checkpoint and saves it with no step between (torch_copy).
-    out["torch3"], out["torch_copy"] = spawn_world(_torch3_then_copy, str(d), world_size=3)
+    out["torch3"], out["torch_copy"] = torch_world(_torch3_then_copy, str(d), world_size=3)
     # 3 -> 1 within torch.
-    out["torch1"] = launch_torch(TrainConfig(**CONFIG), world_size=1, resume=str(d / "torch3"))
+    out["torch1"] = torch_world(train_torch, TrainConfig(**CONFIG), world_size=1, resume=str(d / "torch3"))
     # torch -> JAX: 3 host devices, stage 2, from the 2-rank torch checkpoint; saves at step 9.
-    out["jax3"] = train_jax(TrainConfig(**CONFIG, stage=2), num_devices=3, resume=str(d / "torch2"),
+    out["jax3"] = demo.train_jax(TrainConfig(**CONFIG, stage=2), num_devices=3, resume=str(d / "torch2"),
                             save_to=str(d / "jax3"), save_at=9)
     # JAX -> torch: the 3-device JAX checkpoint on 2 torch ranks.
-    out["torch2_from_jax"] = launch_torch(TrainConfig(**CONFIG), world_size=2, resume=str(d / "jax3"))
+    out["torch2_from_jax"] = torch_world(train_torch, TrainConfig(**CONFIG), world_size=2, resume=str(d / "jax3"))
     # JAX 3 -> JAX 1.
-    out["jax1"] = train_jax(TrainConfig(**CONFIG), num_devices=1, resume=str(d / "jax3"))
+    out["jax1"] = demo.train_jax(TrainConfig(**CONFIG), num_devices=1, resume=str(d / "jax3"))
     # Load and save with no step in between, in both frameworks at other world sizes (torch's: above).
-    train_jax(TrainConfig(global_batch_size=48, num_steps=SAVE), num_devices=4, resume=str(d / "torch2"),
+    demo.train_jax(TrainConfig(global_batch_size=48, num_steps=SAVE), num_devices=4, resume=str(d / "torch2"),
               save_to=str(d / "jax_copy"), save_at=SAVE)
     # ... and on as many devices as the saving run, with its config: the same files.
-    train_jax(TrainConfig(**CONFIG, stage=2), num_devices=3, resume=str(d / "jax3"), save_to=str(d / "jax3_again"),
+    demo.train_jax(TrainConfig(**CONFIG, stage=2), num_devices=3, resume=str(d / "jax3"), save_to=str(d / "jax3_again"),
               save_at=9)
     return out
 
