@@ -196,10 +196,15 @@ def stalled_peer_worker(rank, world, port, outdir):
     # timeout (2 s here), the one the user set.
     ddp, x = _one_good_iteration(rank, world, port, timeout_s=2)
     if rank == 1:
-        time.sleep(6)
+        # Stalls (up to 6 s, 3x the timeout) until the survivor has saved what it raised: never
+        # leaving before the survivor's timeout, and never making the test wait out the 6 s.
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and not os.path.exists(os.path.join(outdir, "stalled_rank0.done")):
+            time.sleep(0.05)
         os._exit(0)
     start = time.monotonic()
     err = _expect(lambda: ddp(x).sum().backward())
     torch.save({"error": err, "elapsed": time.monotonic() - start},
                os.path.join(outdir, f"stalled_rank{rank}.pt"))
+    open(os.path.join(outdir, f"stalled_rank{rank}.done"), "w").close()
     os._exit(0)
