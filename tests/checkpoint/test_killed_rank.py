@@ -1,19 +1,20 @@
 """A rank killed in the middle of writing its file: the others raise within seconds (no hang),
 the previous checkpoint stays intact and loadable, and no ``.ckpt.saving`` is left behind. Both distributed torch saves, on the demo's
 model: DDP with ZeroRedundancyOptimizer (stage 1), and ZeRO3 with ZeRO3Optimizer (stage 3,
-buckets capped at 4 KiB: each rank writes only its shards of them)."""
+buckets capped at 4 KiB: each rank writes only its shards of them).
 
-import datetime
-import multiprocessing as mp
+Each case starts a 2-rank world of its own, since a rank of it is killed; the ranks are forked
+from the test run's preloaded forkserver (tests/_procs.py), not fresh interpreters importing torch.
+"""
+
 import os
 import pathlib
-import queue
 import time
 
 import pytest
 
 from hybrid.checkpoint import Checkpoint
-from tests._procs import free_port
+from tests._procs import forkserver_ranks, init_gloo
 
 TIMEOUT_S = 5
 
@@ -27,16 +28,11 @@ def _build(stage):
     return net, opt, lambda start, stop: train_torch_steps(net, opt, config, start, stop)
 
 
-def _worker(stage, rank, port, path, out):
-    import torch
-    import torch.distributed as dist
-
+def _worker(stage, path, rank, port, out):
     import hybrid.checkpoint._protocol as protocol
     from hybrid.checkpoint import torch as ckpt_torch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    init_gloo(rank, port, timeout_s=TIMEOUT_S)
     ddp, opt, train = _build(stage)
     train(0, 2)
     ckpt_torch.save(path, ddp, opt, step=2)
@@ -59,21 +55,8 @@ def _worker(stage, rank, port, path, out):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_killed_rank_leaves_previous_checkpoint(tmp_path, stage):
     path = str(tmp_path / "ckpt")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(stage, r, port, path, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rank, outcome, seconds = out.get(timeout=120)
-    except queue.Empty:
-        pytest.fail("the surviving rank neither returned nor raised within 120 s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    reports, procs = forkserver_ranks(_worker, (stage, path), 1, wait_s=120)  # the survivor's report
+    (rank, (outcome, seconds)), = reports.items()
     assert procs[1].exitcode == 17
     print(f"rank 0 raised after {seconds:.2f} s: {outcome[:200]}")
     assert rank == 0 and outcome.startswith("RuntimeError: saving checkpoint"), outcome
