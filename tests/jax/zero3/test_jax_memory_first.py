@@ -21,17 +21,40 @@ WIDTH, DEPTH, DEVICES = 512, 8, 4
 MiB = 2**20
 
 
-def _run(tmp_path, *extra: str) -> dict:
-    out = tmp_path / f"run{len(extra)}.json"
+RUNS = {"default": (), "memory_first": ("memory-first",), "offloaded": ("memory-first", "offload")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(*names)``: the bench's result for each of :data:`RUNS` named, each run once per module
+    (both tests read the memory-first run) and those not yet run started side by side."""
+    results, directory = {}, tmp_path_factory.mktemp("budget")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run([sys.executable, "-m", "hybrid.bench.zero._zero3_budget_jax", str(DEVICES), str(WIDTH), str(DEPTH),
-                    "32", str(out), *extra], check=True, env=env, timeout=120)
-    return json.loads(out.read_text())
+
+    def get(*names: str) -> list[dict]:
+        started = {}
+        for name in dict.fromkeys(names):
+            if name not in results:
+                (directory / name).mkdir()
+                out = directory / name / "run.json"
+                started[name] = out, subprocess.Popen(
+                    [sys.executable, "-m", "hybrid.bench.zero._zero3_budget_jax", str(DEVICES), str(WIDTH),
+                     str(DEPTH), "32", str(out), *RUNS[name]], env=env)
+        try:
+            for name, (out, proc) in started.items():
+                assert proc.wait(timeout=120) == 0, f"the {name} run exited with {proc.returncode}"
+                results[name] = json.loads(out.read_text())
+        finally:
+            for _, proc in started.values():
+                if proc.poll() is None:
+                    proc.kill()
+        return [results[name] for name in names]
+    return get
 
 
 @pytest.mark.timeout(170)
-def test_memory_first_flags_keep_one_layer_gathered(tmp_path):
-    default, memory_first = _run(tmp_path), _run(tmp_path, "memory-first")
+def test_memory_first_flags_keep_one_layer_gathered(runs):
+    default, memory_first = runs("default", "memory_first")
     params = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
     layer = (WIDTH * WIDTH + WIDTH) * 4
     share = params / DEVICES  # this device's float32 gradient slices, alive until Adam's update
@@ -61,13 +84,13 @@ def test_memory_first_flags_refused_once_jax_has_started(monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_offloaded_state_leaves_the_devices_their_slices(tmp_path):
+def test_offloaded_state_leaves_the_devices_their_slices(runs):
     # hybrid.jax.OffloadedZero3 on the same program under the flags (issue 36, item 6, the JAX side
     # at 2 and 3 devices, where the state alone is 1.125 / 0.75 of the bench's budget): between
     # steps a device holds its parameter slices alone, Adam's two moments are in files, and the
     # step's bound (the gradient slices beside one bucket's update, or the gradient program) stays
     # under what the resident step needs beside its parameters and state.
-    resident, offloaded = _run(tmp_path, "memory-first"), _run(tmp_path, "memory-first", "offload")
+    resident, offloaded = runs("memory_first", "offloaded")
     params = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
     assert offloaded["held"] == offloaded["init_held"]  # its parameter slices, nothing of the moments
     assert 0 <= resident["held"] - 3 * offloaded["held"] <= 64  # resident: slices, mu, nu (+ Adam's count)
