@@ -1,5 +1,7 @@
 """Hypothesis strategies for TensorSpec lists."""
 
+import functools
+
 from hypothesis import strategies as st
 
 from hybrid.core import TensorSpec
@@ -20,11 +22,18 @@ def spec_lists(draw, *, min_size=1, max_size=40, max_numel=300, keys=None, spars
     specs = []
     for i in range(n):
         dtype, device = draw(st.sampled_from(keys))
-        shape = draw(st.lists(st.integers(0, 12), min_size=0, max_size=3).filter(
-            lambda s: _prod(s) <= max_numel))
+        shape = draw(_shapes(max_numel))
         is_sparse = sparse and draw(st.integers(0, 9)) == 0
         specs.append(TensorSpec(f"t{i}", tuple(shape), dtype, device, is_sparse))
     return specs
+
+
+@functools.cache
+def _shapes(max_numel):
+    """Shapes of at most ``max_numel`` elements: one strategy object per bound, drawn from again and
+    again (a new ``.filter(lambda ...)`` per draw made hypothesis parse and compile the lambda's
+    source each time, most of these tests' time)."""
+    return st.lists(st.integers(0, 12), min_size=0, max_size=3).filter(lambda s: _prod(s) <= max_numel)
 
 
 def _prod(shape):
