@@ -12,6 +12,9 @@ run in the same world; tolerance: none (bit for bit).
 A load followed at once by a save gives back the same bytes (docs/moving-runs.md), with either
 load: the fresh DDP has not rebuilt yet, and carries the checkpoint's record of the rebuilt plan
 into its save until it rebuilds its own.
+
+The 4-rank world is started once for the file (every run above in it, the ranks forked from the
+test run's preloaded forkserver: ``_torch_world``); the other tests need one rank, this process.
 """
 
 import contextlib
@@ -22,8 +25,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from hybrid.demo import TrainConfig, spawn_world
+from hybrid.demo import TrainConfig
 from hybrid.models import GPTConfig
+from tests.checkpoint._torch_world import torch_world
 
 GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 # Buckets capped at 16 KiB (bucket_cap_mb given: torch caps the first bucket alike), so the rebuilt
@@ -79,7 +83,7 @@ def _resumes(config, path, save_at, *, progress=None):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     path = tmp_path_factory.mktemp("resume") / "ckpt"
-    return spawn_world(_resumes, CONFIG, str(path), SAVE_AT, world_size=4, timeout_s=170), path
+    return torch_world(_resumes, CONFIG, str(path), SAVE_AT, world_size=4, wait_s=170), path
 
 
 def test_restored_buckets_resume_bit_for_bit_at_four_ranks(four_ranks):
