@@ -1,4 +1,5 @@
-"""Fixtures of the kernel tests: the host emulation library, built once per session."""
+"""Fixtures of the kernel tests: the host emulation library and the CUDA library, each built once
+per session (an nvcc build of the CUDA library is ~8 s: test_compile.py and test_gpu.py share one)."""
 
 import ctypes
 import shutil
@@ -23,3 +24,9 @@ def host_lib(tmp_path_factory):
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_int]
     return lib
+
+
+@pytest.fixture(scope="session")
+def cuda_library_path(tmp_path_factory):
+    """The CUDA library (sm_80 and sm_90), built with nvcc once for every test that needs it."""
+    return kernels.build(tmp_path_factory.mktemp("cuda"))

@@ -13,9 +13,9 @@ from hybrid.kernels import _build, _jax
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile the CUDA kernels")
 
 
-@pytest.fixture(scope="module")
-def cuda_lib_path(tmp_path_factory):
-    return kernels.build(tmp_path_factory.mktemp("cuda"))
+@pytest.fixture
+def cuda_lib_path(cuda_library_path):
+    return cuda_library_path  # built once per session (conftest.py)
 
 
 def fatbin_cubin_archs(data: bytes) -> set[int]:

@@ -23,8 +23,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cuda_library(tmp_path_factory):
-    path = kernels.build(tmp_path_factory.mktemp("gpu"))
+def cuda_library(cuda_library_path):
+    path = cuda_library_path  # built once per session (conftest.py), shared with test_compile.py
     mp = pytest.MonkeyPatch()
     mp.setenv("HYBRID_KERNELS_LIB", str(path))
     _build._library.cache_clear()
