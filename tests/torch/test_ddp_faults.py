@@ -5,8 +5,9 @@ gave up, never hangs.
 One 2-rank forkserver launch per case (a rank dies or stalls, so no world can be shared). The group
 starts with a 30 s timeout, so that a slow start on a loaded machine is not taken for a fault. The
 victim does two good iterations (so DDP has rebuilt its buckets), both ranks then set the 2 s
-timeout, and the victim dies (``os._exit``) or sleeps for 3x the timeout at the point the case names;
-the survivor runs one more iteration and reports what it raised and after how long. The existing
+timeout, and the victim dies (``os._exit``) or stalls (until the survivor has reported, at most 3x
+the timeout) at the point the case names; the survivor runs one more iteration and reports what it
+raised and after how long. The existing
 ``test_dead_peer_raises_quickly`` in test_ddp.py checks a 60 s group (gloo notices the closed
 socket); these use the short timeout a user would set to fail fast, and check the wording.
 """
@@ -18,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests._procs import forkserver_ranks
+from tests._procs import forkserver_context, forkserver_ranks
 
 SETUP_TIMEOUT_S = 30
 TIMEOUT_S = 2  # the process group's timeout once the setup is done: what the survivor must meet
@@ -56,7 +57,7 @@ class _Unused(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _fault_worker(case, rank, port, out):
+def _fault_worker(case, survivor_done, rank, port, out):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -90,7 +91,9 @@ def _fault_worker(case, rank, port, out):
         ddp(x)
         if fault == "die":
             os._exit(17)
-        time.sleep(3 * TIMEOUT_S)
+        # stalls until the survivor has reported (at most 3x the timeout): past the survivor's
+        # timeout, and no longer than it takes the test to read the report
+        survivor_done.wait(3 * TIMEOUT_S)
         os._exit(0)
     grads = [p.grad.clone() for p in ddp.parameters() if p.grad is not None]
     params = [p.detach().clone() for p in ddp.parameters()]
@@ -107,6 +110,7 @@ def _fault_worker(case, rank, port, out):
         seconds = time.monotonic() - t0
         unchanged = all(torch.equal(a, p.detach()) for a, p in zip(params, ddp.parameters()))
         out.put((rank, (f"{type(e).__name__}: {e}", unchanged, len(grads)), seconds))
+    survivor_done.set()
 
 
 def _hook_bug_worker(rank, port, out):
@@ -148,7 +152,7 @@ def test_comm_hook_bug_is_not_reported_as_a_dead_peer():
 @pytest.mark.parametrize("case", list(CASES))
 def test_ddp_peer_fault_raises_naming_the_collective(case):
     fault, expected = CASES[case]
-    reports, procs = forkserver_ranks(_fault_worker, (case,), 1)
+    reports, procs = forkserver_ranks(_fault_worker, (case, forkserver_context().Event()), 1)
     assert list(reports) == [0], reports
     outcome, seconds = reports[0]
     assert outcome != "returned", f"{case}: the survivor's iteration returned after {seconds:.1f} s"

@@ -12,11 +12,12 @@ import time
 import pytest
 import torch
 
-from tests._procs import forkserver_ranks, report_outcome
+from tests._procs import forkserver_context, forkserver_ranks, report_outcome
 
 SETUP_TIMEOUT_S = 30
 TIMEOUT_S = 2  # the process group's timeout once the setup is done: what the survivors must meet
 _FAULT: list = [None]  # "die" or "stall": what the victim's local optimizer step does
+_SURVIVOR_DONE: list = [None]  # set once the survivor has reported: a stall ends there
 
 
 class _Fragile(torch.optim.SGD):
@@ -26,7 +27,8 @@ class _Fragile(torch.optim.SGD):
         if _FAULT[0] == "die":
             os._exit(17)  # no exception, no cleanup: a crashed rank
         if _FAULT[0] == "stall":
-            time.sleep(3 * TIMEOUT_S)
+            # past the survivor's timeout: until it has reported, at most 3x the timeout
+            _SURVIVOR_DONE[0].wait(3 * TIMEOUT_S)
         return super().step(closure)
 
 
@@ -66,7 +68,7 @@ def _short_timeout():
     _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT_S))
 
 
-def _fault_worker(mode, rank, port, out):
+def _fault_worker(mode, survivor_done, rank, port, out):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from hybrid.torch import (DistributedDataParallel, ZeRO2, ZeroRedundancyOptimizer, hook_with_zero_step,
@@ -103,15 +105,17 @@ def _fault_worker(mode, rank, port, out):
     if rank == victim:
         if fault == "exit":
             os._exit(17)
-        _FAULT[0] = fault
+        _FAULT[0], _SURVIVOR_DONE[0] = fault, survivor_done
     report_outcome(rank, out, iteration)
+    if rank != victim:
+        survivor_done.set()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_peer_fault_raises_naming_the_collective(mode):
     victim, fault, expected = MODES[mode]
-    reports, procs = forkserver_ranks(_fault_worker, (mode,), 1)
+    reports, procs = forkserver_ranks(_fault_worker, (mode, forkserver_context().Event()), 1)
     survivor = 1 - victim
     assert list(reports) == [survivor], reports
     outcome, seconds = reports[survivor]
