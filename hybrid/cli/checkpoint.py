@@ -106,7 +106,8 @@ def _print_info(d: dict) -> None:
     if d.get("zero_layout"):
         z = d["zero_layout"]
         print(f"  optimizer state as hybrid.jax.zero's flat buckets: {z['buckets']} bucket(s) of {z['lengths']} "
-              f"elements before padding (plan {z['plan']}); loads at any device count and stage")
+              f"elements before padding (plan {z['plan']}, recognised by {z.get('recognised_by', 'its lengths')}); "
+              f"loads at any device count and stage")
     if d["carried"]:
         values = d.get("carried_values", {})
         shown = [f"{n} = {values[n]}" if n in values else n for n in d["carried"]]

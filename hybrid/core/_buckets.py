@@ -136,6 +136,16 @@ class BucketPlan:
         """
         return fingerprint_of(self.to_json())
 
+    def tag(self) -> int:
+        """The fingerprint's first 32 bits as a number: what ``hybrid.jax.ZeroState`` keeps as an
+        array leaf, so that a checkpoint of its leaves alone still says which plan laid it out.
+
+        >>> plan = plan_buckets([TensorSpec("w", (4,), "float32")])
+        >>> plan.tag() == int(plan.fingerprint()[:8], 16) < 2 ** 32
+        True
+        """
+        return int(self.fingerprint()[:8], 16)
+
 
 def ddp_size_limits(*, bucket_cap_bytes: int | None = None, bucket_caps_bytes: Sequence[int] = (),
                     static_graph: bool = False, find_unused_parameters: bool = False

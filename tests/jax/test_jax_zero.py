@@ -43,7 +43,7 @@ def _check(history, ref):
 @functools.cache
 def reference_history(name, num_steps=NUM_STEPS):
     """The unsharded inner transform's parameters after each step (computed once per name)."""
-    return reference(INNER[name](None), make_params(), num_steps)
+    return reference(INNER[name](None), make_params(), num_steps, quick=True)
 
 
 @functools.cache
@@ -53,7 +53,7 @@ def run_shard_map(name, stage, world_size, *, jit=True, num_steps=NUM_STEPS):
     mesh = Mesh(np.array(jax.devices()[:world_size]), ("dp",))
     tx = hj.zero(INNER[name]("dp"), "dp", stage=stage, **CAPS)
     params = make_params()
-    init, step = shard_map_train(tx, mesh, params, jit=jit)
+    init, step = shard_map_train(tx, mesh, params, jit=jit, quick=True)
     state, history = init(params), []
     for i in range(num_steps):
         params, state = step(params, state, *make_batch(i))
@@ -132,6 +132,7 @@ def test_state_bytes_per_device(name, world_size):
                     for s in x.addressable_shards if s.device == device)
         full_leaves = [x for x in jax.tree_util.tree_leaves(unsharded) if x.ndim > 0]
         scalars = sum(x.nbytes for x in jax.tree_util.tree_leaves(unsharded) if x.ndim == 0)
+        scalars += state.plan_tag.nbytes  # ZeroState's plan tag: one uint32 on every device
         arrays = sum(x.nbytes for x in full_leaves)
         copies = arrays // sum(x.nbytes for x in jax.tree_util.tree_leaves(make_params()))  # mu, nu: 2
         # unsharded / world_size, plus under one element per state copy per bucket of padding
@@ -151,7 +152,7 @@ def test_bucket_of_zero_size_leaves(stage):
     params = {**make_params(), "empty": jnp.zeros((0,), jnp.bfloat16)}
     assert [b.length for b in plan_buckets(hj.specs(params), **CAPS).buckets if b.dtype == "bfloat16"] == [0]
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
-    init, step = shard_map_train(hj.zero(INNER["adamw"]("dp"), "dp", stage=stage, **CAPS), mesh, params)
+    init, step = shard_map_train(hj.zero(INNER["adamw"]("dp"), "dp", stage=stage, **CAPS), mesh, params, quick=True)
     state, history = init(params), []
     for i in range(3):
         params, state = step(params, state, *make_batch(i))

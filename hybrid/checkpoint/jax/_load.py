@@ -3,6 +3,8 @@ as the given arrays are; under ``jax.distributed`` each process reads only its d
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import jax
@@ -199,7 +201,7 @@ def _load_state(ckpt: CheckpointReader, layout: _Layout, opt_state):
         if isinstance(x, optax.ScaleByScheduleState):
             return x._replace(count=_like(np.asarray(info.count), x.count))
         if isinstance(x, ZeroState):
-            return ZeroState(_map_nodes(x.inner, replace), x.plan_fingerprint)
+            return dataclasses.replace(x, inner=_map_nodes(x.inner, replace))
         return x
 
     return _with_saved_scalars(_map_nodes(opt_state, replace), ckpt)

@@ -96,7 +96,7 @@ class TorchView:
                 shards = shard_flat(layout.plan, n)
                 inner = _map(loaded, is_view, lambda d: _buckets(layout, shards, tree(d)))
                 placed = jax.tree_util.tree_map(lambda new, o: jax.device_put(new, o.sharding), inner, old.inner)
-                return ZeroState(placed, old.plan_fingerprint)
+                return dataclasses.replace(old, inner=placed)
             return tree(loaded)
 
         is_node = lambda x: isinstance(x, ZeroState) or _like_params(x, self._treedef, list(self._shapes))

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
-from hybrid.jax import ParamShards
+from hybrid.jax import ParamShards, ZeroState
 from hybrid.jax._specs import _leaves
 from hybrid.checkpoint._manifest import CheckpointError, Manifest, OptimizerInfo
 from hybrid.checkpoint._write import check_json, save_sharded, to_storage
@@ -161,6 +161,10 @@ def _state_scalars(opt_state, node) -> list[tuple[tuple, object]]:
         return str(key)
 
     own = id(getattr(node, "count", None)) if "count" in getattr(node, "_fields", ()) else None
+    # zero's plan tag says how the saved buckets were laid out: the manifest's plan says that here,
+    # and the state a load fills keeps its own plan's tag.
+    tags = {id(z.plan_tag) for z in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ZeroState))
+            if isinstance(z, ZeroState)}
     return [(("opt_state", *(name(k) for k in path)), _host(x).item())
             for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]
-            if np.ndim(x) == 0 and id(x) != own]
+            if np.ndim(x) == 0 and id(x) != own and id(x) not in tags]

@@ -164,6 +164,11 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         self._parts.update({("buffers", _name(p)): ("batch_stats", *p) for p in stats})
         rest = [(parts, meta) for parts, meta in leaves
                 if parts[:n] != params_at and parts[:1] != ("batch_stats",) and parts != ("step",)]
+        # zero's ZeroState.plan_tag: which plan its flat buckets are laid out by. Read here, never
+        # carried into the state a load fills (that state's own tag is its own plan's).
+        tag_paths = [p for p, m in rest if p[-1:] == ("plan_tag",) and _shape(m) == ()]
+        rest = [(p, m) for p, m in rest if p not in tag_paths]
+        self._tags = self._restore_scalars(tag_paths)
         optimizer = self._optimizer(params, rest, where)
         own_count = optimizer[1] + ("count",) if optimizer and optimizer[0] == "adam" else None
         others = [p for p, m in rest if _shape(m) == () and p != own_count]  # schedule counts, MultiSteps', ...
@@ -197,7 +202,9 @@ class OrbaxCheckpoint(ForeignCheckpoint):
                                                 f"hybrid.checkpoint.jax.load names them from the params it is given")
         if self._zero is not None:
             metadata["zero_layout"] = {"buckets": self._zero[0].num_buckets, "plan": self._zero[0].fingerprint(),
-                                       "lengths": [b.length for b in self._zero[0].buckets]}
+                                       "lengths": [b.length for b in self._zero[0].buckets],
+                                       "recognised_by": "its plan_tag" if self._tags else
+                                       "the buckets' lengths (no plan_tag saved: the first plan that fits)"}
         run_state = {CARRIED: carried([(p, v.item()) for p, v in kept.items()], source="orbax", where=where)} if kept else {}
         manifest = foreign_manifest("jax", specs, step=run_step, optimizer=info, buffers=buffers,
                                     metadata=metadata, run_state=run_state)
@@ -242,8 +249,11 @@ class OrbaxCheckpoint(ForeignCheckpoint):
                                   f"hybrid reads one")
         self._zero = None
         if not found and rest:  # hybrid.jax.zero's own state: flat buckets of the params' plan
-            zero = find_zero_node({p: (_shape(m), str(m.dtype)) for p, m in params.items()}, rest, _SLOTS, _shape,
-                                  self._params_plan)
+            try:
+                zero = find_zero_node({p: (_shape(m), str(m.dtype)) for p, m in params.items()}, rest, _SLOTS,
+                                      _shape, self._params_plan, self._tags)
+            except CheckpointError as e:
+                raise CheckpointError(f"{where}: {e}") from None
             if zero is not None:
                 kind, node, plan, n = zero
                 found, self._zero = [(kind, node)], (plan, n)

@@ -7,13 +7,15 @@ of the shard plan (the whole padded bucket, ``n * ceil(length / n)`` elements ov
 devices). The plan's fingerprint is static pytree metadata, so orbax does not write it: the plan is
 rebuilt from the params' names, shapes and dtypes with zero's defaults (stages 1-2:
 ``hybrid.core.plan_buckets``; stage 3: ``hybrid.core.zero3_plan``, the plan of ``shard_params``)
-and recognised by the number and padded lengths of the buckets. Each parameter's moment is then
+and recognised by ``ZeroState.plan_tag``, an array leaf orbax does write (the plan fingerprint's
+first 32 bits), then by the number and padded lengths of the buckets. Each parameter's moment is then
 the run ``[offset, offset + numel)`` of its bucket, whatever the device count it was saved at.
 """
 
 from __future__ import annotations
 
 from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES, BucketPlan
+from hybrid.checkpoint._manifest import CheckpointError
 
 
 def _specs(params: dict) -> list:
@@ -74,17 +76,31 @@ def bucket_runs(plan: BucketPlan) -> dict[str, tuple[int, int, int]]:
             for m, o, k in zip(bucket.members, bucket.offsets, bucket.numels)}
 
 
-def find_zero_node(params: dict, rest: list, slots_by_kind: dict, shape_of, plan: BucketPlan | None = None
-                   ) -> tuple | None:
+def _tag_of(node: tuple, tags: dict) -> tuple[tuple, int] | None:
+    """``(key path, value)`` of the ``plan_tag`` of the ZeroState whose ``inner`` holds ``node``."""
+    for path, value in tags.items():
+        if node[:len(path)] == (*path[:-1], "inner"):
+            return path, value
+    return None
+
+
+def find_zero_node(params: dict, rest: list, slots_by_kind: dict, shape_of, plan: BucketPlan | None = None,
+                   tags: dict | None = None) -> tuple | None:
     """``(kind, node, plan, n)`` for the one zero state node of ``rest`` (orbax's ``[(key path,
     metadata)]`` of the optimizer state) whose slots are flat buckets of a plan of ``params``
     (``{key path: (shape, dtype)}``), or None. ``plan``: the one plan it can be (the saved
-    ParamShards': stage 3); else stages 1-2's plan is tried before stage 3's, which it is where both
-    fit (params saved whole from a stage-3 run, ``unshard_params``, may fit both: save the
-    ParamShards as they are)."""
+    ParamShards': stage 3); else zero's plans with default caps (stages 1-2, stage 3).
+
+    ``tags``: ``{key path: value}`` of the saved ``ZeroState.plan_tag`` leaves. A tagged node is
+    read by the plan of that tag alone (stages 1-2 and stage 3 cut small models into buckets of the
+    same lengths in another order: the lengths cannot tell them apart), and refused, naming it,
+    where no plan hybrid can rebuild has it. An untagged node (a save from before the tag) is read
+    by the first plan that fits, stages 1-2's before stage 3's.
+    """
     plans = [("the saved ParamShards' plan", plan)] if plan is not None else candidate_plans(params)
     if not plans:
         return None
+    tags = tags or {}
     found = []
     nodes = {parts[:i] for parts, _ in rest for i in range(len(parts))}
     for node in sorted(nodes, key=lambda p: tuple(map(str, p))):
@@ -98,7 +114,17 @@ def find_zero_node(params: dict, rest: list, slots_by_kind: dict, shape_of, plan
                 per_slot.append([sub[(b,)][0] for b in range(len(sub))])
             if len(per_slot) != len(slots) or any(x != per_slot[0] for x in per_slot):
                 continue
+            tagged = _tag_of(node, tags)
+            if tagged is not None and not any(candidate.tag() == tagged[1] for _, candidate in plans):
+                raise CheckpointError(
+                    f"{'.'.join(map(str, tagged[0]))}: zero's state there is laid out by the bucket plan tagged "
+                    f"{tagged[1]:#010x}, which is none of the plans hybrid rebuilds from the params saved beside it "
+                    f"({', '.join(f'{what}: {c.tag():#010x}' for what, c in plans)}): it was planned with other "
+                    f"bucket caps, another leaf order or other params. Save the params zero was initialised with "
+                    f"(at stage 3 the ParamShards as they are), with zero's default caps")
             for _, candidate in plans:
+                if tagged is not None and candidate.tag() != tagged[1]:
+                    continue
                 n = padded_world(candidate, per_slot[0])
                 if n is not None:
                     found.append((kind, node, candidate, n))

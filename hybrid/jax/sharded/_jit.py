@@ -29,6 +29,8 @@ gradient per device, which only stage 3's gathered loss has (docs/jax.md, "ZeRO 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -39,7 +41,7 @@ from hybrid.jax._specs import _Layout, check_caps
 from hybrid.jax.sharded._global import check_mesh, global_buckets, local_buckets
 from hybrid.jax.sharded._axis_aware import axis_aware
 from hybrid.jax.sharded._params import ParamShards
-from hybrid.jax.sharded._slices import ZeroState, check_inner, check_plan, on_slices, shard_key
+from hybrid.jax.sharded._slices import ZeroState, check_inner, check_plan, on_slices, zero_state
 
 # Exact on whole buckets (they decide over every element), refused on a device's slices.
 _WHOLE_ONLY = ("clip_by_global_norm", "apply_if_finite")
@@ -116,7 +118,7 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
         shards = layout.shards(n)
         flats = global_buckets(layout, shards, params, sharded)
         state = flat_inner(params, layout, shards).init(flats)
-        return ZeroState(_shard_state(state, sharded, replicated, n), shard_key(shards))
+        return zero_state(_shard_state(state, sharded, replicated, n), shards)
 
     def update_fn(updates, state, params=None):
         layout = layout_of(updates, "zero.update")
@@ -132,8 +134,8 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
         out = {}
         for b, flat in enumerate(new):
             out.update(unpack(layout.plan, b, jax.lax.with_sharding_constraint(flat, replicated)))  # all-gather
-        return layout.unflatten(out), ZeroState(_shard_state(inner_state, sharded, replicated, n),
-                                                state.plan_fingerprint)
+        return layout.unflatten(out), dataclasses.replace(state, inner=_shard_state(inner_state, sharded,
+                                                                                         replicated, n))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -163,7 +165,7 @@ def _zero3_jit(flat_inner, axis_name: str, n: int, sharded, replicated) -> optax
         shards = _check_global(params, "zero.init (stage 3)", axis_name, n)
         buckets = tuple(jax.lax.with_sharding_constraint(x, sharded) for x in shards.buckets)
         state = bound(shards).init(buckets)
-        return ZeroState(_shard_state(state, sharded, replicated, n), shard_key(shards.layout.shards))
+        return zero_state(_shard_state(state, sharded, replicated, n), shards.layout.shards)
 
     def update_fn(updates, state, params=None):
         if not isinstance(state, ZeroState):
@@ -181,7 +183,7 @@ def _zero3_jit(flat_inner, axis_name: str, n: int, sharded, replicated) -> optax
         buckets = tuple(jax.lax.with_sharding_constraint(x, sharded) for x in grads.buckets)
         new, inner_state = bound(grads).update(buckets, state.inner, param_buckets)
         new = tuple(jax.lax.with_sharding_constraint(x, sharded) for x in new)
-        return ParamShards(new, grads.layout), ZeroState(_shard_state(inner_state, sharded, replicated, n),
-                                                         state.plan_fingerprint)
+        return ParamShards(new, grads.layout), dataclasses.replace(
+            state, inner=_shard_state(inner_state, sharded, replicated, n))
 
     return optax.GradientTransformation(init_fn, update_fn)

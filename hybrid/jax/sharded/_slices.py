@@ -34,7 +34,8 @@ _ADVICE = {
 }
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner"], meta_fields=["plan_fingerprint"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner", "plan_tag"],
+                   meta_fields=["plan_fingerprint"])
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
     """State of :func:`zero`: the inner transform's state over this device's bucket shards.
@@ -42,10 +43,22 @@ class ZeroState:
     ``inner`` was initialised on a tuple of 1-D arrays, one per bucket (this device's slice of
     it), at every stage. ``plan_fingerprint`` is static (part of the tree structure), so a params
     tree whose layout changed between ``init`` and ``update`` is caught at trace time.
+
+    ``plan_tag`` is a uint32 scalar, the first 32 bits of the bucket plan's fingerprint
+    (:meth:`hybrid.core.BucketPlan.tag`), the same on every device. A checkpointer that writes a
+    tree's leaves and not its static metadata (orbax's ``StandardSave``) keeps it, so a reader knows
+    which plan the flat buckets are laid out by: stages 1-2 and stage 3 plan the same params into
+    buckets of the same lengths but another order, and the lengths alone cannot tell them apart.
     """
 
     inner: optax.OptState
     plan_fingerprint: str
+    plan_tag: jax.Array
+
+
+def zero_state(inner, shards) -> ZeroState:
+    """A new :class:`ZeroState` of ``inner`` over the shard plan ``shards``."""
+    return ZeroState(inner, shard_key(shards), jax.numpy.asarray(shards.bucket_plan.tag(), jax.numpy.uint32))
 
 
 class _ShardKey(str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 
 import jax
@@ -18,7 +20,7 @@ from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, 
 from hybrid.jax.sharded._axis_aware import axis_aware
 from hybrid.jax.sharded._zero3 import zero3
 from hybrid.jax.sharded._jit import zero_jit
-from hybrid.jax.sharded._slices import ZeroState, check_inner, check_plan, on_slices, shard_key
+from hybrid.jax.sharded._slices import ZeroState, check_inner, check_plan, on_slices, zero_state
 
 __all__ = ["NON_ELEMENTWISE", "ZeroState", "zero"]
 _DEFAULTS = dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES,
@@ -155,7 +157,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         param_shards = local_slices(layout, shards, params, rank, use_kernels(copy_backend))
         with on_shards(axis_name):
             inner_state = flat_inner(params, layout, shards, rank).init(param_shards)
-        return ZeroState(inner_state, shard_key(shards))
+        return zero_state(inner_state, shards)
 
     def update_fn(updates, state, params=None):
         if not isinstance(state, ZeroState):
@@ -188,7 +190,7 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         for b, shard in enumerate(new_shards):
             full = _all_gather(shard, axis_name)
             out.update(unpack_bucket(layout.plan, b, full, cuda=cuda))
-        return layout.unflatten(out), ZeroState(inner_state, state.plan_fingerprint)
+        return layout.unflatten(out), dataclasses.replace(state, inner=inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -10,13 +10,15 @@ inner transform on the slices exactly as stages 1 and 2 do, so the states are th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 
 from hybrid.jax.sharded._on_shards import on_shards
 from hybrid.jax.sharded._params import ParamShards, check_local
 from hybrid.jax._specs import axis_size, check_state_per_device
-from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, shard_key
+from hybrid.jax.sharded._slices import ZeroState, check_inner, on_slices, zero_state
 
 
 def _abstract_params(shards: ParamShards):
@@ -40,7 +42,7 @@ def zero3(inner: optax.GradientTransformation, axis_name, *, mean: bool,
         rank = jax.lax.axis_index(axis_name)
         with on_shards(axis_name):
             inner_state = bound(shards, rank).init(shards.buckets)
-        return ZeroState(inner_state, shard_key(shards.layout.shards))
+        return zero_state(inner_state, shards.layout.shards)
 
     def update_fn(updates, state, params=None):
         if not isinstance(state, ZeroState):
@@ -62,6 +64,6 @@ def zero3(inner: optax.GradientTransformation, axis_name, *, mean: bool,
         slices = tuple(g / n for g in grads.buckets) if mean else grads.buckets
         with on_shards(axis_name):
             new, inner_state = bound(grads, jax.lax.axis_index(axis_name)).update(slices, state.inner, param_slices)
-        return ParamShards(tuple(new), grads.layout), ZeroState(inner_state, state.plan_fingerprint)
+        return ParamShards(tuple(new), grads.layout), dataclasses.replace(state, inner=inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -42,7 +42,7 @@ from hybrid.jax.sharded._on_shards import on_shards
 from hybrid.jax.sharded._params import ParamShards
 from hybrid.jax.sharded.offload._probe import check_per_bucket, count_decisions
 from hybrid.jax.sharded.offload._state_files import BucketFile
-from hybrid.jax.sharded._slices import ZeroState, check_inner, shard_key
+from hybrid.jax.sharded._slices import ZeroState, check_inner, zero_state
 from hybrid.jax.sharded._zero import zero
 
 class _OneBucket:
@@ -281,7 +281,7 @@ class OffloadedZero3:
         for b, meta in enumerate(self._buckets):
             for j, x in zip(sources[b], self._files[b].read(meta.shardings, meta.shapes)):
                 leaves[j] = x
-        return ZeroState(jax.tree.unflatten(treedef, leaves), shard_key(self._layout.shards))
+        return zero_state(jax.tree.unflatten(treedef, leaves), self._layout.shards)
 
     def fill_leaf(self, j: int, part_of_device) -> None:
         """Write leaf ``j`` of :meth:`zero_state`'s tree (``jax.tree.leaves(state.inner)[j]``)
