@@ -60,6 +60,8 @@ def test_processes_that_disagree_are_refused_at_once(tmp_path):
     for i in (0, 1):
         seconds, outcome = outcomes[i]
         assert "process 1 wrote its files for another manifest than process 0's" in outcome, outcome
-        assert seconds < TIMEOUT_S, outcome  # an error posted, not a deadline waited out
+        # An error posted, not a deadline waited out: this save has the default timeout_s (60 s).
+        # (A bound of TIMEOUT_S, 3 s, failed on a loaded machine: 5.5 s there, from posting.)
+        assert seconds < 20, outcome
     assert outcomes[1][1].startswith(f"RuntimeError: saving checkpoint {path}: process 0: RuntimeError: ")
     assert not path.exists()
