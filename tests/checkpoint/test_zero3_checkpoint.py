@@ -5,6 +5,10 @@ Within JAX the tolerance is tests/jax's (rtol 1e-6, atol 2e-7: another device co
 the order of float32 additions in the gradient mean); loading moves elements and computes nothing,
 so loaded tensors are compared bitwise. Across frameworks it is the parity tolerance of
 tests/checkpoint/test_resume.py (losses rtol 1e-5 / atol 1e-6, parameters rtol 1e-4 / atol 1e-5).
+
+The JAX steps here, the uninterrupted run and the resumed ones alike, are compiled with
+tests/jax's ``quick=True`` (XLA:CPU's quick code generation: the same program and arithmetic, the
+parameters the same within an ulp, in ~60% of the compile time that is most of this file's).
 """
 
 import functools
@@ -34,7 +38,7 @@ def stage3_run(world_size=4):
     """4 devices, stage 3: the shards and state after SAVE steps, and the params after STOP."""
     mesh = mesh_of(world_size)
     shards = cut(make_params(), mesh)
-    init, step = stage3_train(hj.zero(INNER(), "dp", stage=3), mesh, shards)
+    init, step = stage3_train(hj.zero(INNER(), "dp", stage=3), mesh, shards, quick=True)
     state, saved = init(shards), None
     for i in range(STOP):
         shards, state = step(shards, state, *make_batch(i))
@@ -70,7 +74,7 @@ def _resume_stage3(path, world_size):
     mesh = mesh_of(world_size)
     shards = cut(make_params(seed=9), mesh)  # another start: the load must replace it
     tx = hj.zero(INNER(), "dp", stage=3)
-    init, step = stage3_train(tx, mesh, shards)
+    init, step = stage3_train(tx, mesh, shards, quick=True)
     shards, state, at = ckpt_jax.load(path, shards, init(shards))
     return shards, state, at, step
 
@@ -96,7 +100,7 @@ def test_resumes_in_stage_3_at_another_device_count(saved, tmp_path, world_size)
 @pytest.mark.parametrize("stage,world_size", [(1, 1), (2, 3)])
 def test_resumes_in_stages_1_and_2(saved, stage, world_size):
     mesh = mesh_of(world_size)
-    init, step = shard_map_train(hj.zero(INNER(), "dp", stage=stage, **CAPS), mesh, make_params())
+    init, step = shard_map_train(hj.zero(INNER(), "dp", stage=stage, **CAPS), mesh, make_params(), quick=True)
     params, state, at = ckpt_jax.load(saved, make_params(seed=9), init(make_params(seed=9)), **CAPS)
     assert at == SAVE
     for i in range(SAVE, STOP):
@@ -109,12 +113,14 @@ def test_resumes_in_torch(tmp_path):
     # JAX stage 3 on 3 devices saves at step 6; torch (DDP + ZeRO2, 2 gloo ranks) resumes there
     # and follows JAX's uninterrupted run to step 12.
     # (hybrid.demo's stage 3: the twin MLP over shard_params; test_zero3_crossing.py has the rest.)
-    from hybrid.demo import TrainConfig, launch_torch, train_jax
+    # (The 2 ranks are forked from the test run's preloaded forkserver: _torch_world.)
+    from hybrid.demo import TrainConfig, train_jax, train_torch
+    from tests.checkpoint._torch_world import torch_world
 
     jax_run = train_jax(TrainConfig(global_batch_size=48, num_steps=12, stage=3), num_devices=3,
                         save_to=str(tmp_path / "jax3"), save_at=6)
-    torch_run = launch_torch(TrainConfig(global_batch_size=48, num_steps=12, stage=2), world_size=2,
-                             resume=str(tmp_path / "jax3"))
+    torch_run = torch_world(train_torch, TrainConfig(global_batch_size=48, num_steps=12, stage=2), world_size=2,
+                            resume=str(tmp_path / "jax3"))
     assert torch_run.start_step == 6
     np.testing.assert_allclose(torch_run.losses, jax_run.losses[6:], rtol=1e-5, atol=1e-6)
     for name, value in jax_run.params.items():
