@@ -27,6 +27,7 @@ import hybrid.jax as hj
 from hybrid.checkpoint import CheckpointError, open_checkpoint
 from hybrid.checkpoint import jax as ckpt_jax
 from hybrid.checkpoint.orbax import OrbaxCheckpoint
+from tests.jax._jax_model import jitted
 
 AXIS, SAVE, MORE = "data", 3, 3
 TOL = dict(rtol=1.3e-6, atol=5e-5)
@@ -60,18 +61,32 @@ def _mesh(n):
 
 
 def _step(tx, loss):
+    # Compiled with tests/jax's quick code generation, the zero runs and their plain-optax
+    # reference alike (the same program and arithmetic, in ~60% of the compile time).
     def step(params, state, x, y):
         u, state = tx.update(jax.grad(loss)(params, x, y), state, params)
         return optax.apply_updates(params, u), state
-    return jax.jit(step)
+    return jitted(step, quick=True)
 
 
-def _zero(stage, mesh):
-    """``(tx, params, state, step)`` of the plain-jit zero loop at ``stage`` on ``mesh``."""
+@functools.cache
+def _plain_step():
+    """Plain optax's jitted step, made once: on XLA:CPU compiling is most of these tests' time,
+    and a new closure compiles again."""
+    return _step(_tx(), _loss)
+
+
+@functools.cache
+def _zero_on(stage, num_devices):
+    """``(tx, params, step, init)`` of the plain-jit zero loop at ``stage`` on the first
+    ``num_devices`` devices, jitted once for every test (the arrays are immutable, and so shared)."""
+    mesh = _mesh(num_devices)
     tx = hj.zero(_tx(), AXIS, stage=stage, mesh=mesh)
     if stage == 3:
-        return tx, hj.shard_params(_params(), AXIS, mesh=mesh), _step(tx, hj.gathered(_loss))
-    return tx, jax.device_put(_params(), NamedSharding(mesh, P())), _step(tx, _loss)
+        params, step = hj.shard_params(_params(), AXIS, mesh=mesh), _step(tx, hj.gathered(_loss))
+    else:
+        params, step = jax.device_put(_params(), NamedSharding(mesh, P())), _step(tx, _loss)
+    return tx, params, step, jax.jit(tx.init)
 
 
 def _with_schedule_count(state, count):
@@ -98,15 +113,27 @@ def _reference():
         if i == SAVE:
             state = _with_schedule_count(state, SCHEDULE_COUNT)
         params, state = jax.device_put((params, state), NamedSharding(mesh, P()))
-        params, state = _step(tx, _loss)(params, state, *_batch(i, mesh))
+        params, state = _plain_step()(params, state, *_batch(i, mesh))
     return params
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(stage)``: ``(root, saved params)`` of the run's manager save at ``stage``, made once
+    for the file (loads only read it)."""
+    root = tmp_path_factory.mktemp("orbax-manager")
+
+    @functools.cache
+    def save(stage):
+        return root / f"stage{stage}", _save(str(root / f"stage{stage}"), stage)
+    return save
 
 
 def _save(root, stage):
     """A CheckpointManager save at step SAVE of the zero run at ``stage`` on 4 devices."""
     mesh = _mesh(4)
-    tx, params, step = _zero(stage, mesh)
-    state = jax.jit(tx.init)(params)
+    _, params, step, init = _zero_on(stage, 4)
+    state = init(params)
     for i in range(SAVE):
         params, state = step(params, state, *_batch(i, mesh))
     state = _with_schedule_count(state, SCHEDULE_COUNT)
@@ -117,12 +144,12 @@ def _save(root, stage):
 
 
 @pytest.mark.parametrize("saved_stage,resumed_stage", [(1, 2), (2, 3), (3, 1), (3, 3)])
-def test_manager_save_of_zero_resumes_at_two_devices(tmp_path, saved_stage, resumed_stage):
-    saved_params = _save(str(tmp_path / "mngr"), saved_stage)
+def test_manager_save_of_zero_resumes_at_two_devices(saved, saved_stage, resumed_stage):
+    root, saved_params = saved(saved_stage)
     mesh = _mesh(2)
-    tx, params, step = _zero(resumed_stage, mesh)
-    where = tmp_path / "mngr" / str(SAVE) / ("default" if saved_stage == 2 else "")
-    params, state, at = ckpt_jax.load(str(where), params, jax.jit(tx.init)(params))
+    _, params, step, init = _zero_on(resumed_stage, 2)
+    where = root / str(SAVE) / ("default" if saved_stage == 2 else "")
+    params, state, at = ckpt_jax.load(str(where), params, init(params))
     assert at == SAVE
     whole = hj.unshard_params(params) if resumed_stage == 3 else params
     jax.tree.map(np.testing.assert_array_equal, whole, saved_params)  # a load moves elements only
@@ -133,19 +160,18 @@ def test_manager_save_of_zero_resumes_at_two_devices(tmp_path, saved_stage, resu
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), whole, _reference())
 
 
-def test_info_lists_the_kept_scalars_and_wrong_directories_are_named(tmp_path, capsys):
+def test_info_lists_the_kept_scalars_and_wrong_directories_are_named(saved, tmp_path, capsys):
     from hybrid.cli.checkpoint import _print_info, describe
 
-    root = tmp_path / "mngr"
-    _save(str(root), 1)
+    root, _ = saved(1)
     d = describe(open_checkpoint(str(root)))  # the manager's root: its latest step
     assert d["left_out"] == [] and d["zero_layout"]["lengths"] == [8 * 16 + 16 + 16 * 4 + 4]
     assert d["carried_values"] == {"opt_state.inner.1.count": SCHEDULE_COUNT}
     _print_info(d)
     out = capsys.readouterr().out
     assert f"opt_state.inner.1.count = {SCHEDULE_COUNT}" in out and "zero's flat buckets" in out
-    _save(str(tmp_path / "stage3"), 3)  # ParamShards saved as they are: info says what they are
-    d = describe(open_checkpoint(str(tmp_path / "stage3")))
+    root3, _ = saved(3)  # ParamShards saved as they are: info says what they are
+    d = describe(open_checkpoint(str(root3)))
     assert "ParamShards" in d["unnamed"] and d["optimizer"]["slots"] == ["mu", "nu"]
     assert d["carried_values"] == {"opt_state.inner.1.count": SCHEDULE_COUNT} and d["left_out"] == []
     (tmp_path / "elsewhere").mkdir()
@@ -168,13 +194,12 @@ def test_a_plain_optax_save_keeps_its_schedule_count_in_zero(tmp_path):
     tx, params = _tx(), _params()
     state = tx.init(params)
     for i in range(SAVE):
-        params, state = _step(tx, _loss)(params, state, *_batch(i, _mesh(1)))
+        params, state = _plain_step()(params, state, *_batch(i, _mesh(1)))
     state = _with_schedule_count(state, SCHEDULE_COUNT)
     with ocp.CheckpointManager(str(tmp_path / "mngr")) as mngr:
         mngr.save(SAVE, args=ocp.args.StandardSave({"params": params, "opt_state": state, "step": SAVE}))
-    mesh = _mesh(2)
-    ztx, zparams, _ = _zero(2, mesh)
-    _, loaded, _ = ckpt_jax.load(str(tmp_path / "mngr" / str(SAVE)), zparams, jax.jit(ztx.init)(zparams))
+    _, zparams, _, zinit = _zero_on(2, 2)
+    _, loaded, _ = ckpt_jax.load(str(tmp_path / "mngr" / str(SAVE)), zparams, zinit(zparams))
     assert _counts(loaded) == [("ScaleByAdamState", SAVE), ("ScaleByScheduleState", SCHEDULE_COUNT)]
     _, plain, _ = ckpt_jax.load(str(tmp_path / "mngr"), params, tx.init(params))  # and into plain optax
     assert _counts(plain) == [("ScaleByAdamState", SAVE), ("ScaleByScheduleState", SCHEDULE_COUNT)]
@@ -238,11 +263,9 @@ def test_multi_steps_and_apply_if_finite_state_comes_back_as_saved(tmp_path):
 
 def test_hybrids_own_save_keeps_a_schedule_count_too(tmp_path):
     """The same chain saved by hybrid.checkpoint.jax.save from zero at 4 devices, loaded at 2."""
-    mesh = _mesh(4)
-    tx, params, step = _zero(2, mesh)
-    state = jax.jit(tx.init)(params)
-    params, state = step(params, state, *_batch(0, mesh))
+    _, params, step, init = _zero_on(2, 4)
+    params, state = step(params, init(params), *_batch(0, _mesh(4)))
     ckpt_jax.save(str(tmp_path / "h"), params, _with_schedule_count(state, SCHEDULE_COUNT), step=1)
-    tx2, params2, _ = _zero(1, _mesh(2))
-    _, loaded, _ = ckpt_jax.load(str(tmp_path / "h"), params2, jax.jit(tx2.init)(params2))
+    _, params2, _, init2 = _zero_on(1, 2)
+    _, loaded, _ = ckpt_jax.load(str(tmp_path / "h"), params2, init2(params2))
     assert _counts(loaded) == [("ScaleByAdamState", 1), ("ScaleByScheduleState", SCHEDULE_COUNT)]
