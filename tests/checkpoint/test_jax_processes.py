@@ -25,8 +25,9 @@ import pytest
 
 from hybrid.checkpoint import Checkpoint, read_state
 from hybrid.checkpoint import jax as ckpt
-from hybrid.demo import TrainConfig, jax_params, launch_torch, train_jax
+from hybrid.demo import TrainConfig, jax_params, train_jax, train_torch
 from tests._procs import finish, start_jax_job
+from tests.checkpoint._torch_world import torch_world
 
 HERE = Path(__file__).parent
 STEPS, SAVE = 12, 6
@@ -74,8 +75,8 @@ def runs(tmp_path_factory):
     out["one_process"] = _result(train_jax(TrainConfig(**CONFIG), num_devices=2, resume=str(d / "jax3")))
     out["one_process_save"] = _result(train_jax(TrainConfig(**CONFIG), num_devices=2, save_to=str(d / "one"),
                                                 save_at=SAVE))
-    # torch, 2 gloo ranks, from the 3-process checkpoint.
-    out["torch"] = _result(launch_torch(TrainConfig(**CONFIG), world_size=2, resume=str(d / "jax3")))
+    # torch, 2 gloo ranks (forked from the test run's preloaded forkserver), from the 3-process checkpoint.
+    out["torch"] = _result(torch_world(train_torch, TrainConfig(**CONFIG), world_size=2, resume=str(d / "jax3")))
     return out
 
 
