@@ -118,12 +118,32 @@ def train_torch(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resu
     from hybrid.parity._run_torch import train_torch_world
 
     world_size = count("world_size", world_size)
-    check_split(setup.batches, world_size, f"the torch side's {world_size} ranks")
-    _check_save(setup, save_at, save_to)
-    job = dict(factory=setup.torch_factory, init=setup.init, optimizer=setup.optimizer, stage=_check_stage(stage),
-               batches=setup.batches, resume=None if resume is None else str(resume), save_at=save_at,
-               save_to=None if save_to is None else str(save_to))
+    job = torch_job(setup, world_size=world_size, stage=stage, resume=resume, save_at=save_at, save_to=save_to)
     return train_torch_world(job, world_size=world_size, timeout_s=timeout_s, progress=progress, cancel=cancel)
+
+
+def torch_job(setup: ParitySetup, *, world_size: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
+              save_to=None) -> dict:
+    """What each rank of :func:`train_torch`'s world runs (``hybrid.parity._run_torch.train_rank(job)``),
+    the arguments checked as :func:`train_torch` checks them; for a caller that runs several jobs
+    in one world of its own (the tests do: a world's start is most of a small run's time).
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> setup = prepare(lambda: (torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 2)}), lambda m, x: m.module["fc"](x).mean()),
+    ...                 lambda: ({"fc": {"kernel": jnp.zeros((3, 2)), "bias": jnp.zeros(2)}}, lambda p, x: x.mean()),
+    ...                 lambda step: np.ones((4, 3), np.float32), steps=2)
+    >>> job = torch_job(setup, stage=2, save_at=1, save_to="ckpt")
+    >>> job["stage"], job["save_at"], job["save_to"], len(job["batches"])
+    (2, 1, 'ckpt', 2)
+    >>> torch_job(setup, world_size=3)
+    Traceback (most recent call last):
+    ValueError: batch 0 has 4 rows, which the torch side's 3 ranks cannot split evenly
+    """
+    check_split(setup.batches, count("world_size", world_size), f"the torch side's {world_size} ranks")
+    _check_save(setup, save_at, save_to)
+    return dict(factory=setup.torch_factory, init=setup.init, optimizer=setup.optimizer, stage=_check_stage(stage),
+                batches=setup.batches, resume=None if resume is None else str(resume), save_at=save_at,
+                save_to=None if save_to is None else str(save_to))
 
 
 def train_jax(setup: ParitySetup, *, num_devices: int = 2, stage: int = 1, resume=None, save_at: int | None = None,
