@@ -1,4 +1,4 @@
-"""Run by ``test_zero3_habits`` under torchrun (2 and 4 processes): what a torch user scaling a DDP
+"""Run by ``test_zero3_habits`` as torchrun runs it (2 and 4 processes): what a torch user scaling a DDP
 script out to ZeRO3 does by habit. Every rank writes one JSON line per check to
 ``DIR/rank-R.jsonl`` (``DIR``: the first argument).
 

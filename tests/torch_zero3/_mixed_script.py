@@ -1,4 +1,4 @@
-"""Run by ``test_zero3_habits`` under torchrun with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: rank 0 in
+"""Run by ``test_zero3_habits`` as torchrun runs it, ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: rank 0 in
 a collective of its own (``dist.barrier()``) while the others run a ZeRO3 forward. hybrid cannot
 tag a collective it does not issue; torch's own check can, and hybrid names what it says. Every
 rank writes ``{"outcome", "seconds"}`` to ``DIR/mixed-R.json`` (``DIR``: the first argument)."""
