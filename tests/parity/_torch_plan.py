@@ -1,6 +1,7 @@
-"""One torch process: torch's own DistributedDataParallel (the oracle) on the GPT pair's torch
-half at torch's default caps, and what it holds after its rebuild: each bucket's parameters and
-flat buffer as a comm hook sees them, and the gradients that went in."""
+"""torch's own DistributedDataParallel (the oracle) on the GPT pair's torch half at torch's default
+caps, and what it holds after its rebuild: each bucket's parameters and flat buffer as a comm hook
+sees them, and the gradients that went in. In the calling process, on a gloo group of 1 rank it
+makes and ends (the caller has none of its own)."""
 
 import datetime
 
@@ -9,14 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from hybrid.demo._torch_run import free_port
 from hybrid.models import GPTConfig, TorchGPT
 
 
-def torch_buckets(config: GPTConfig, batch: np.ndarray, rank, port, out):
+def torch_buckets(config: GPTConfig, batch: np.ndarray) -> dict:
+    """``{"buckets": [(names, flat buffer)], "params": initial weights, "grads": the gradients}``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
         torch.manual_seed(0)
         model = TorchGPT(config)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -37,7 +39,6 @@ def torch_buckets(config: GPTConfig, batch: np.ndarray, rank, port, out):
         buckets = [seen[b] for b in sorted(seen)]
         params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
         grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        out.put((rank, {"buckets": buckets, "params": params, "grads": grads}, 0.0))
+        return {"buckets": buckets, "params": params, "grads": grads}
+    finally:
         dist.destroy_process_group()
-    except BaseException as e:  # report instead of hanging the test
-        out.put((rank, repr(e), 0.0))

@@ -22,7 +22,6 @@ from hybrid.jax._copy import pack_bucket
 from hybrid.jax._specs import _Layout
 from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig, TorchGPT, flax_loss
 from hybrid.parity._bridge import jax_tree, pair_models
-from tests._procs import forkserver_ranks
 from tests.parity._torch_plan import torch_buckets
 
 CONFIG = GPTConfig()  # ~0.94M parameters: 3.6 MiB of float32 gradients, a 1 MiB first bucket and one more
@@ -31,16 +30,17 @@ BATCH = np.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(4, 32))
 
 @pytest.fixture(scope="module")
 def torch_side():
-    reports, _ = forkserver_ranks(torch_buckets, (CONFIG, BATCH), 1, world=1, wait_s=120)
-    outcome = reports[0][0]
-    assert isinstance(outcome, dict), outcome
-    return outcome
+    """torch's own DDP on a 1-rank gloo group in this process (tests/parity/_torch_plan.py): the
+    buckets, buffers and gradients it reads do not depend on a fresh interpreter, which cost more
+    than the run."""
+    return torch_buckets(CONFIG, BATCH)
 
 
 @pytest.fixture(scope="module")
 def jax_side(torch_side):
     model = FlaxGPT(CONFIG)
-    like = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    # the tree's structure only: its values are torch's initial weights, below
+    like = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
     torch_model = TorchGPT(CONFIG)  # names and shapes only, for the pairing
     pairing = pair_models(torch_model, like, GPT_MAPPING)
     params = jax_tree(like, pairing.to_jax(torch_side["params"]))  # torch's initial weights
@@ -86,12 +86,14 @@ def test_packed_buckets_are_torchs_bitwise(torch_side, jax_side):
 def test_zero_steps_through_torchs_plan_like_plain_optax(jax_side):
     # the pairing changes where leaves sit in the buckets, not the update: zero over 2 devices
     # with torch's plan gives optax's adamw on the reduced gradient (float32, reduction order only)
+    # jitted, each one program: op by op, the GPT's backward and optax's update compiled a kernel per op
     params, model = jax_side["params"], jax_side["model"]
     x = jnp.asarray(BATCH)
-    grads = jax.grad(lambda p: flax_loss(model, p, x, x))(params)
+    grads = jax.jit(jax.grad(lambda p: flax_loss(model, p, x, x)))(params)
     tx = hj.zero(optax.adamw(1e-3, weight_decay=0.1), "dp", ready_order=jax_side["ready"], pairing=jax_side["pairing"])
     per_device = jax.tree_util.tree_map(lambda g: jnp.stack([g, g]), grads)
     out = jax.pmap(lambda g: tx.update(g, tx.init(params), params)[0], axis_name="dp")(per_device)
-    want, _ = optax.adamw(1e-3, weight_decay=0.1).update(grads, optax.adamw(1e-3, weight_decay=0.1).init(params), params)
+    adamw = optax.adamw(1e-3, weight_decay=0.1)
+    want = jax.jit(lambda g, p: adamw.update(g, adamw.init(p), p)[0])(grads, params)
     for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref), rtol=1.3e-6, atol=5e-7)
