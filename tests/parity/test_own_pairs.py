@@ -18,23 +18,39 @@ from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.demo._torch_run import free_port
 from hybrid.jax import gradient_ready_order as jax_ready_order
 from hybrid.jax._specs import _Layout
+from hybrid.parity._harness import torch_job
 from hybrid.parity._run_torch import torch_ddp_buckets
 from hybrid.parity._spec import tree_map
 from hybrid.torch import gradient_ready_order
 from tests.parity import _outsider as o
+from tests.parity._world import torch_runs
 
 CAPS = dict(bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES)
+SGD = hp.OptimizerSpec("sgd", lr=0.1, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def outsider_setup():
+    return hp.prepare(o.torch_small, o.flax_small, o.data, steps=3, mapping=o.SMALL_MAPPING, optimizer=SGD)
+
+
+@pytest.fixture(scope="module")
+def outsider_torch(outsider_setup):
+    """The torch side at stages 1 and 2 on 2 gloo ranks, both in one world (tests/parity/_world.py;
+    ``hp.run`` itself, ranks and JAX side by side, is tests/parity/test_harness.py's subject)."""
+    return torch_runs({stage: torch_job(outsider_setup, world_size=2, stage=stage) for stage in (1, 2)})
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_the_outsider_pair_plans_one_plan_in_both_frameworks(stage):
-    """``hp.run`` at 2 torch ranks against 3 JAX devices: the fingerprints were DIFFERENT (JAX put
-    each block norm's bias before its weight); the harness now takes torch's own order. SGD with
-    momentum: Adam would turn the attention key biases' zero gradients (softmax ignores them) into
-    lr-sized steps of each framework's rounding noise (docs/parity.md, "Reading a report")."""
-    report = hp.run(o.torch_small, o.flax_small, o.data, steps=3, world_size=2, num_devices=3, stage=stage,
-                    mapping=o.SMALL_MAPPING, optimizer=hp.OptimizerSpec("sgd", lr=0.1, momentum=0.9))
+def test_the_outsider_pair_plans_one_plan_in_both_frameworks(stage, outsider_setup, outsider_torch):
+    """What ``hp.run`` compares, at 2 torch ranks against 3 JAX devices: the fingerprints were
+    DIFFERENT (JAX put each block norm's bias before its weight); the harness now takes torch's
+    own order. SGD with momentum: Adam would turn the attention key biases' zero gradients
+    (softmax ignores them) into lr-sized steps of each framework's rounding noise (docs/parity.md,
+    "Reading a report")."""
+    report = hp.compare(outsider_torch[stage], hp.train_jax(outsider_setup, num_devices=3, stage=stage))
     print(f"\n{report.summary()}")
+    assert report.labels == ("torch, 2 ranks", "jax, 3 devices") and len(report.losses[1]) == 3
     assert report.plans_match, report.summary()
     hp.assert_parity(report)
 
