@@ -6,7 +6,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 
 import hybrid.jax as hj
-from tests.jax._jax_model import CAPS, loss
+from tests.jax._jax_model import CAPS, jitted, loss
 
 
 def mesh_of(n, axis="dp"):
@@ -20,9 +20,10 @@ def cut(params, mesh, **caps):
                                  out_specs=P("dp")))(params)
 
 
-def stage3_train(tx, mesh, shards, *, reshard_after_forward=True):
+def stage3_train(tx, mesh, shards, *, reshard_after_forward=True, quick=False):
     """``(init, step)``: ``step(shards, state, x, y)`` takes jax.grad of the gathered loss with
-    respect to the shards (already reduce-scattered) and steps them with ``tx``."""
+    respect to the shards (already reduce-scattered) and steps them with ``tx``; ``quick``:
+    compiled with ``tests.jax._jax_model.QUICK_CODEGEN``."""
     specs = hj.state_specs(tx, shards, "dp", axis_size=mesh.size)
     loss_of_shards = hj.gathered(loss, reshard_after_forward=reshard_after_forward)
 
@@ -31,7 +32,7 @@ def stage3_train(tx, mesh, shards, *, reshard_after_forward=True):
         u, state = tx.update(g, state, shards)
         return optax.apply_updates(shards, u), state
 
-    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp"), P("dp")),
-                                 out_specs=(P("dp"), specs)))
+    init = jitted(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs), quick=quick)
+    step = jitted(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp"), P("dp")),
+                                out_specs=(P("dp"), specs)), quick=quick)
     return init, step
