@@ -46,9 +46,10 @@ def _loss(params, x):
     return jnp.mean(h * h)
 
 
-def compile_variants(width: int, depth: int, batch: int, mesh, axis: str = "dp"):
+def compile_variants(width: int, depth: int, batch: int, mesh, axis: str = "dp", *, only=None):
     """``(steps, states, x)``: every variant's compiled step ``(params, state, x) -> (params, state)``
-    and its first ``(params, state)``, and the sharded batch."""
+    and its first ``(params, state)``, and the sharded batch; ``only``: the names of the variants
+    to compile (all when None: the tests compile the two they compare)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -63,6 +64,7 @@ def compile_variants(width: int, depth: int, batch: int, mesh, axis: str = "dp")
     x = jax.device_put(jnp.asarray(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32)), sharded)
     first_axis = lambda a: sharded if a.ndim and a.shape[0] % n == 0 else rep  # GSPMD's: P(axis) on dim 0
     steps, states = {}, {}
+    wanted = lambda name: only is None or name in only
 
     def plain_jit(name, tx, params, state, loss, out_shardings=None):
         def step(p, s, x):
@@ -74,6 +76,8 @@ def compile_variants(width: int, depth: int, batch: int, mesh, axis: str = "dp")
 
     for name, param_sharding, state_sharding in (("replicated", "rep", "rep"), ("gspmd_zero1", "rep", "first"),
                                                  ("gspmd_fsdp", "first", "first")):
+        if not wanted(name):
+            continue
         tx = adamw()
         pick = {"rep": lambda a: rep, "first": first_axis}
         params = jax.device_put(_mlp(width, depth), jax.tree.map(pick[param_sharding], _mlp(width, depth)))
@@ -82,6 +86,8 @@ def compile_variants(width: int, depth: int, batch: int, mesh, axis: str = "dp")
         plain_jit(name, tx, params, state, _loss,
                   out_shardings=(jax.tree.map(pick[param_sharding], params), state_sh))
     for stage in (1, 2, 3):
+        if not wanted(f"jit_zero{stage}"):
+            continue
         tx = hj.zero(adamw(), axis, stage=stage, mesh=mesh)
         if stage == 3:
             params, loss = hj.shard_params(_mlp(width, depth), axis, mesh=mesh), hj.gathered(_loss)
@@ -89,6 +95,8 @@ def compile_variants(width: int, depth: int, batch: int, mesh, axis: str = "dp")
             params, loss = jax.device_put(_mlp(width, depth), rep), _loss
         plain_jit(f"jit_zero{stage}", tx, params, jax.jit(tx.init)(params), loss)
     for stage in (2, 3):
+        if not wanted(f"sm_zero{stage}"):
+            continue
         tx = hj.zero(adamw(), axis, stage=stage)
         if stage == 3:
             steps["sm_zero3"], states["sm_zero3"] = _steps.compile_zero3(tx, _mlp(width, depth), x, mesh, _loss)
