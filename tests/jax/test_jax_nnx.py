@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import hybrid.jax as hj
 from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig, NNXGPT, nnx_loss
+from tests.jax._jax_model import jitted
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 STEPS, AXIS = 3, "dp"
@@ -171,8 +172,10 @@ def test_functional_split_merge_under_jax_jit():
         updates, state = tx.update(hj.local_grad(loss, AXIS)(params, idx, tgt), state, params)
         return optax.apply_updates(params, updates), state
 
-    init = jax.jit(jax.shard_map(tx.init, mesh=MESH, in_specs=P(), out_specs=specs))
-    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)))
+    # the tests' quick code generation (tests/jax/_jax_model.py): the same program, built sooner
+    init = jitted(jax.shard_map(tx.init, mesh=MESH, in_specs=P(), out_specs=specs), quick=True)
+    step = jitted(jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)),
+                  quick=True)
     state = init(params)
     for i in range(STEPS):
         params, state = step(params, state, *_batch(i))
@@ -191,9 +194,9 @@ def _stage3_run(shards):
         updates, state = tx.update(jax.grad(loss)(shards, idx, tgt), state, shards)
         return optax.apply_updates(shards, updates), state
 
-    init = jax.jit(jax.shard_map(tx.init, mesh=MESH, in_specs=P(AXIS), out_specs=specs))
-    step = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
-                                 out_specs=(P(AXIS), specs)))
+    init = jitted(jax.shard_map(tx.init, mesh=MESH, in_specs=P(AXIS), out_specs=specs), quick=True)
+    step = jitted(jax.shard_map(step, mesh=MESH, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
+                                out_specs=(P(AXIS), specs)), quick=True)
     state = init(shards)
     for i in range(STEPS):
         shards, state = step(shards, state, *_batch(i))
