@@ -5,14 +5,18 @@ A guide's blocks run as test_docs_snippets.py runs a reference page's (tests/doc
 most of them as one program (``<!-- snippet: continue -->``). Each torchrun script
 (``<!-- snippet: torchrun N -->``) of any page is launched as the page says, by
 ``torchrun --standalone --nproc_per_node=N`` (gloo on the host): the script is the thing tested,
-so it gets the processes a reader's launch gives it, not a shared world.
+so it gets torchrun's processes and environment and makes its own process group, as a reader's
+launch does. The scripts of the same N share one launch, one after another, each with a store of
+its own and nothing of the script before it left in the process (tests/docs/_torchrun.py says
+why that is safe); a failing one fails its own test, naming its page and line.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.docs._snippets import DOCS, blocks, pages, run_page, run_torchrun
+from tests.docs._snippets import DOCS, blocks, pages
+from tests.docs._torchrun import run_scripts
 
 GUIDES = pages(DOCS / "guides")
 
@@ -30,24 +34,34 @@ def test_every_reader_has_a_guide():
 
 
 @pytest.mark.parametrize("page", [p.name for p in GUIDES])
-def test_guide_runs_top_to_bottom(page, tmp_path):
-    failed, missing = run_page(DOCS / "guides" / page, tmp_path)
+def test_guide_runs_top_to_bottom(page, tmp_path, page_runner):
+    failed, missing = page_runner.run(DOCS / "guides" / page, tmp_path)
     assert not failed, "\n".join(failed)
     assert not missing, missing
 
 
-def _scripts():
+def _scripts() -> list[tuple[str, str, int]]:
+    """``(page:line, source, processes)`` of every torchrun script of every page."""
     out = []
     for page in pages(DOCS, recursive=True):
         launched = []
         blocks(page, launched)
         where = page.relative_to(DOCS).as_posix()
-        out += [pytest.param(source, nproc, id=f"{where}:{line}") for line, source, nproc in launched]
+        out += [(f"{where}:{line}", source, nproc) for line, source, nproc in launched]
     return out
 
 
-@pytest.mark.parametrize("source,nproc", _scripts())
-def test_torchrun_script_runs(source, nproc, tmp_path):
-    """A page's torchrun script, launched as the page says: N processes, gloo, one host."""
-    proc = run_torchrun(source, nproc, tmp_path)
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+SCRIPTS = _scripts()
+
+
+@pytest.fixture(scope="module")
+def torchrun_outcomes(tmp_path_factory):
+    """Every script's outcome, from launches shared by the scripts (tests/docs/_torchrun.py)."""
+    return run_scripts(SCRIPTS, tmp_path_factory.mktemp("torchrun"))
+
+
+@pytest.mark.parametrize("where", [where for where, _, _ in SCRIPTS])
+def test_torchrun_script_runs(where, torchrun_outcomes):
+    """A page's torchrun script, launched as the page says: N processes, gloo, one host; it must
+    exit 0 on every rank."""
+    assert torchrun_outcomes[where] is None, torchrun_outcomes[where]

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.docs._snippets import DOCS, ROOT, blocks, pages, run_page
+from tests.docs._snippets import DOCS, ROOT, blocks, pages
 
 REFERENCE = pages(DOCS)
 ALL_PAGES = pages(DOCS, recursive=True)
@@ -25,13 +25,13 @@ def test_pages_have_blocks():
 
 
 @pytest.mark.parametrize("page", [p.name for p in REFERENCE])
-def test_page_blocks_run(page, tmp_path):
+def test_page_blocks_run(page, tmp_path, page_runner):
     run, skipped = blocks(DOCS / page)
     for line, reason in skipped:
         assert re.fullmatch(r"\(.{8,}\)", reason), f"{page}:{line}: a skipped block must say why, in parentheses"
     if not run:
         pytest.skip(f"{page} has no python block to run")
-    failed, missing = run_page(DOCS / page, tmp_path)
+    failed, missing = page_runner.run(DOCS / page, tmp_path)
     assert not failed, "\n".join(failed)
     assert not missing, missing
 
