@@ -110,7 +110,23 @@ def wide_with_torch():
     return _json(*WIDE, "--torch", "tests.parity._outsider:torch_wide")
 
 
-def test_default_flags_run_torch_as_a_user_would(wide_with_torch):
+@pytest.fixture(scope="module")
+def wide_with_torch_text():
+    """The tables a user reads, for the tests below that check them (one run, not one per test)."""
+    out = run_cli(*WIDE, "--torch", "tests.parity._outsider:torch_wide")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def wide_text():
+    """The tables without the torch half (one run for the tests that read them)."""
+    out = run_cli(*WIDE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_default_flags_run_torch_as_a_user_would(wide_with_torch, wide_with_torch_text):
     """No --bucket-cap-mb: torch's DDP is built without bucket_cap_mb (an explicit 25 would cap its
     first bucket at 25 MiB too, and the check would report a difference that is not there)."""
     check, section = wide_with_torch["pairing"]["torch_check"], wide_with_torch["pairing"]
@@ -118,10 +134,10 @@ def test_default_flags_run_torch_as_a_user_would(wide_with_torch):
     assert len(check["torch_buckets"]) == len(wide_with_torch["buckets"]) == 2
     assert wide_with_torch["size_limits"] == [MiB, 25 * MiB]
     assert section["order"] == "torch" and section["rules_order_agrees"] == {"equal": True}
-    out = run_cli(*WIDE, "--torch", "tests.parity._outsider:torch_wide")
-    assert "torch's own gradient-ready order, observed on one step of the torch half" in out.stdout
-    assert "as built at these flags): the same 2 bucket(s), tensor for tensor" in out.stdout
-    assert "DIFFERS" not in out.stdout
+    text = wide_with_torch_text
+    assert "torch's own gradient-ready order, observed on one step of the torch half" in text
+    assert "as built at these flags): the same 2 bucket(s), tensor for tensor" in text
+    assert "DIFFERS" not in text
 
 
 def test_an_explicit_cap_caps_torchs_first_bucket_too():
@@ -129,7 +145,7 @@ def test_an_explicit_cap_caps_torchs_first_bucket_too():
     assert report["size_limits"] == [2 * MiB] and report["pairing"]["torch_check"]["equal"]
 
 
-def test_zero3_fingerprint_is_zero3s_own(wide_with_torch):
+def test_zero3_fingerprint_is_zero3s_own(wide_with_torch, wide_with_torch_text, wide_text):
     """What ``parity --stage 3`` reports: the plan hybrid.torch.ZeRO3 builds over the torch half."""
     import datetime
 
@@ -145,18 +161,17 @@ def test_zero3_fingerprint_is_zero3s_own(wide_with_torch):
         assert wide_with_torch["zero3_fingerprint"] == ZeRO3(_outsider.torch_wide()[0]).bucket_plan.fingerprint()
     finally:
         dist.destroy_process_group()
-    text = run_cli(*WIDE, "--torch", "tests.parity._outsider:torch_wide").stdout
-    assert f"parity --stage 3 reports: plan {wide_with_torch['zero3_fingerprint']}" in text
+    assert f"parity --stage 3 reports: plan {wide_with_torch['zero3_fingerprint']}" in wide_with_torch_text
     # without the torch half there is no registration order: the tree's leaf order stands in, and it says so
-    assert "ZeRO-3's plan above follows torch's registration order only with --torch" in run_cli(*WIDE).stdout
+    assert "ZeRO-3's plan above follows torch's registration order only with --torch" in wide_text
 
 
-def test_without_the_torch_half_the_assumed_order_is_named():
+def test_without_the_torch_half_the_assumed_order_is_named(wide_text):
     report = _json(*WIDE)
     assumed = report["pairing"]["assumed_together"]
     assert report["pairing"]["order"] == "ready" and "torch_check" not in report["pairing"]
     assert assumed["blocks.0.ln1"] == "norm-like" and assumed["ln_f"] == "rule" and "blocks.0.attn.qkv" not in assumed
-    text = run_cli(*WIDE).stdout
+    text = wide_text
     assert "Assumed, with no torch half to observe" in text and "blocks.7.ln2 (norm-like" in text
 
 
