@@ -17,15 +17,22 @@ OPTIMIZER = hp.OptimizerSpec("adamw", lr=3e-3, weight_decay=0.1, eps=1e-6)
 def nnx_gpt():
     from flax import nnx
     from hybrid.models import NNXGPT, nnx_loss
-    graphdef, params = nnx.split(NNXGPT(_pairs.gpt_config(), rngs=nnx.Rngs(0)), nnx.Param)
+    # shapes only, as _pairs.flax_gpt's jax.eval_shape: the harness replaces the values by torch's
+    # (an eager NNX init ran a compiled kernel per initialiser, seconds of CPU)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: NNXGPT(_pairs.gpt_config(), rngs=nnx.Rngs(0))), nnx.Param)
     return params, lambda p, batch: nnx_loss(nnx.merge(graphdef, p), batch[0], batch[1])
 
 
+@pytest.fixture(scope="module")
+def setups():
+    """The NNX and the linen pair, prepared once for both stages (the same torch weights and batches)."""
+    return [hp.prepare(_pairs.torch_gpt, pair, _pairs.gpt_data, steps=4, mapping=GPT_MAPPING, optimizer=OPTIMIZER)
+            for pair in (nnx_gpt, _pairs.flax_gpt)]
+
+
 @pytest.mark.parametrize("stage", [1, 3])
-def test_nnx_pair_trains_as_the_linen_pair(stage):
+def test_nnx_pair_trains_as_the_linen_pair(stage, setups):
     from flax import nnx
-    setups = [hp.prepare(_pairs.torch_gpt, pair, _pairs.gpt_data, steps=4, mapping=GPT_MAPPING, optimizer=OPTIMIZER)
-              for pair in (nnx_gpt, _pairs.flax_gpt)]
     assert isinstance(setups[0].jax_params, nnx.State)
     nnx_run, linen_run = (hp.train_jax(s, num_devices=2, stage=stage) for s in setups)
     # the same float32 network in one framework: only the trees' leaf orders differ (h.0 / h_0)
