@@ -67,3 +67,64 @@ def jax_mlp():
 def mlp_data(step: int):
     from hybrid.demo import global_batch
     return global_batch(0, step, MLP_SIZES, 24)
+
+
+# A user's own pair, for the CLI: a small regression net in torch and in flax.
+
+def tiny_linear():
+    """Not a pair: a module alone (the harness refuses it by name)."""
+    import torch
+    return torch.nn.Linear(3, 1)
+
+
+def tiny_torch():
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = torch.nn.Linear(3, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.hidden(x)))
+
+    return Net(), lambda net, batch: ((net(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def tiny_torch_unreduced_loss():
+    """A mistake a user makes: the loss per row, not its mean."""
+    net, _ = tiny_torch()
+    return net, lambda net, batch: (net(batch["x"]) - batch["y"]) ** 2
+
+
+def tiny_torch_failing_on_rank_1():
+    """A loss that works here (where prepare observes torch's order) and fails on rank 1 only."""
+    import torch.distributed as dist
+    net, loss = tiny_torch()
+
+    def failing(net, batch):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise FloatingPointError("rank 1's data loader gave a NaN row")
+        return loss(net, batch)
+    return net, failing
+
+
+def tiny_flax():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1, name="out")(jnp.tanh(nn.Dense(8, name="hidden")(x)))
+
+    net = Net()
+    params = jax.eval_shape(net.init, jax.random.key(0), jnp.zeros((1, 3)))["params"]
+    return params, lambda p, batch: ((net.apply({"params": p}, batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def tiny_data(step):
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(1, keepdims=True)).astype(np.float32)}

@@ -1,7 +1,8 @@
 """hybrid.parity's harness on its first users: the GPT pair (torch / flax, through GPT_MAPPING) and
-the twin MLP, a deliberately broken pair, the report, the CLI; and checkpoints crossing both ways
-(issue 24, part 2): torch's DDP + ZeRO on 2 gloo ranks saves, the flax model resumes on 3 devices
-under hybrid.jax.zero, and the other way round, each continuing the uninterrupted run.
+the twin MLP, a deliberately broken pair, the report; and checkpoints crossing both ways (issue
+24, part 2): torch's DDP + ZeRO on 2 gloo ranks saves, the flax model resumes on 3 devices under
+hybrid.jax.zero, and the other way round, each continuing the uninterrupted run. A user's own
+small pair and the CLI: test_harness_cli.py.
 
 Oracles: each framework's own run of the same weights and batches (torch's own Adam inside
 hybrid's ZeRO; optax's adamw inside hybrid.jax.zero). Tolerances: the report's defaults, losses
@@ -13,20 +14,14 @@ that noise moves the two frameworks' key biases apart by 2.6e-5 in 20 steps (2.6
 tolerance), at 1e-6 by less than the other tensors' 1e-6 (docs/parity.md).
 
 Worlds: the torch sides whose world is not the subject run in two shared worlds (``TorchSide``:
-the GPT pair's runs, the twin MLP's at stage 3); ``hp.run``, ``hp.handover``, the CLI and a rank
-that fails start their own, since what they do with their world is the subject.
+the GPT pair's runs, the twin MLP's at stage 3); ``hp.run`` and ``hp.handover`` start their own,
+since what they do with their world is the subject.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -37,7 +32,6 @@ from hybrid.parity._harness import torch_job
 from tests.parity import _pairs
 from tests.parity._world import torch_runs
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, AT = 12, 5  # 12 rows per batch: split by 2 ranks and by 3 devices
 ADAMW = hp.OptimizerSpec("adamw", lr=3e-3, weight_decay=0.1, eps=1e-6)
 
@@ -61,12 +55,12 @@ def mlp_setups():
 
 class TorchSide(dict):
     """The torch sides of this file whose world is not the subject, in one world of 2 gloo ranks
-    per group (tests/parity/_world.py: a world's start is most of a small run's time), started
-    when a test first asks for a run of its group, so each world counts against one test's
-    timeout: the GPT pair's runs, and the twin MLP's at stage 3. Each job is what
-    ``hp.train_torch`` runs on its ranks (``train_rank``; its checks by ``torch_job``); what
-    ``hp.run`` and ``hp.handover`` add around them is tested below through them, on pairs of
-    their own."""
+    per group, forked from a preloaded forkserver (tests/parity/_world.py: a fresh interpreter's
+    start was most of a small run's time), started when a test first asks for a run of its
+    group, so each world counts against one test's timeout: the GPT pair's runs, and the twin
+    MLP's at stage 3. Each job is what ``hp.train_torch`` runs on its ranks (``train_rank``; its
+    checks by ``torch_job``); what ``hp.run`` and ``hp.handover`` add around them is tested
+    below through them, on pairs of their own."""
 
     def __init__(self, gpt_setup, mlp_setups, folder):
         super().__init__()
@@ -238,154 +232,6 @@ def test_inputs_are_checked_before_anything_runs(gpt_setup):
     with pytest.raises(ValueError, match="sgd without momentum keeps no optimizer state"):
         hp.handover(_pairs.torch_gpt, _pairs.flax_gpt, _pairs.gpt_data, at=2, optimizer=hp.OptimizerSpec("sgd"))
     with pytest.raises(TypeError, match=r"the torch factory must return \(model, loss_fn\), got Linear"):
-        hp.prepare(_tiny_module, tiny_flax, tiny_data, steps=1)
+        hp.prepare(_pairs.tiny_linear, _pairs.tiny_flax, _pairs.tiny_data, steps=1)
     with pytest.raises(ValueError, match="lr must be positive, got -0.1"):
         hp.OptimizerSpec("sgd", lr=-0.1)
-
-
-# ---- a user's own pair, for the CLI: a small regression net in torch and in flax ------------
-
-def _tiny_module():
-    import torch
-    return torch.nn.Linear(3, 1)
-
-
-def tiny_torch():
-    import torch
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.hidden, self.out = torch.nn.Linear(3, 8), torch.nn.Linear(8, 1)
-
-        def forward(self, x):
-            return self.out(torch.tanh(self.hidden(x)))
-
-    return Net(), lambda net, batch: ((net(batch["x"]) - batch["y"]) ** 2).mean()
-
-
-def tiny_torch_unreduced_loss():
-    """A mistake a user makes: the loss per row, not its mean."""
-    net, _ = tiny_torch()
-    return net, lambda net, batch: (net(batch["x"]) - batch["y"]) ** 2
-
-
-def tiny_torch_failing_on_rank_1():
-    """A loss that works here (where prepare observes torch's order) and fails on rank 1 only."""
-    import torch.distributed as dist
-    net, loss = tiny_torch()
-
-    def failing(net, batch):
-        if dist.is_initialized() and dist.get_rank() == 1:
-            raise FloatingPointError("rank 1's data loader gave a NaN row")
-        return loss(net, batch)
-    return net, failing
-
-
-def tiny_flax():
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(1, name="out")(jnp.tanh(nn.Dense(8, name="hidden")(x)))
-
-    net = Net()
-    params = jax.eval_shape(net.init, jax.random.key(0), jnp.zeros((1, 3)))["params"]
-    return params, lambda p, batch: ((net.apply({"params": p}, batch["x"]) - batch["y"]) ** 2).mean()
-
-
-def tiny_data(step):
-    rng = np.random.default_rng(step)
-    x = rng.normal(size=(8, 3)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1, keepdims=True)).astype(np.float32)}
-
-
-def test_an_error_on_a_torch_rank_is_raised_here_with_its_traceback():
-    setup = hp.prepare(tiny_torch_failing_on_rank_1, tiny_flax, tiny_data, steps=2)
-    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed:.*FloatingPointError: rank 1's data loader") as e:
-        hp.train_torch(setup, world_size=2, timeout_s=120)
-    # rank 0 fails too (its peer left mid-collective) and exits non-zero, but it said why: not a silent death
-    assert "without reporting" not in str(e.value)
-
-
-def test_a_loss_that_is_no_scalar_is_refused_before_anything_trains():
-    """prepare runs torch's loss once (to observe its gradient-ready order): the harness's own
-    message, here, before a rank is spawned."""
-    with pytest.raises(TypeError, match=r"the torch loss_fn must return a scalar tensor, got Tensor \(8, 1\)"):
-        hp.prepare(tiny_torch_unreduced_loss, tiny_flax, tiny_data, steps=2)
-
-
-def _cli_process(*args, cwd=ROOT):
-    """``python -m hybrid parity ARGS`` in a fresh interpreter, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "hybrid", "parity", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=170)
-
-
-def _cli(*args):
-    """``python -m hybrid parity ARGS`` as :func:`_cli_process` reports it (exit code, stdout,
-    stderr), run in this process through ``hybrid.cli.main``: a fresh interpreter importing torch
-    and JAX was most of each call's time, and only :func:`test_the_cli_runs_as_a_process` makes
-    the process its subject. ``sys.path`` is restored (the command puts the working directory first)."""
-    from hybrid import cli
-
-    out, err, path = io.StringIO(), io.StringIO(), list(sys.path)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(["parity", *args])
-    except SystemExit as e:  # argparse's own refusals
-        code = e.code
-    finally:
-        sys.path[:] = path
-    return subprocess.CompletedProcess(["parity", *args], code or 0, out.getvalue(), err.getvalue())
-
-
-def test_the_cli_runs_as_a_process():
-    """``python -m hybrid parity`` in a fresh interpreter: its exit code and its message on stderr
-    (the other CLI tests call the same ``hybrid.cli.main`` in this process)."""
-    here = "tests.parity.test_harness"
-    proc = _cli_process("--torch", f"{here}:tiny_torch", "--jax", f"{here}:tiny_flax", "--data", f"{here}:tiny_data",
-                        "--steps", "0")
-    assert proc.returncode == 2 and "hybrid parity: --steps must be at least 1, got 0" in proc.stderr, proc.stderr
-
-
-def test_cli_on_a_users_pair(tmp_path):
-    """Stage 0: DDP with torch.optim.SGD against bucketed_all_reduce then optax's sgd (stages 1 and
-    2 run above)."""
-    here = "tests.parity.test_harness"
-    proc = _cli("--torch", f"{here}:tiny_torch", "--jax", f"{here}:tiny_flax", "--data", f"{here}:tiny_data",
-                "--steps", "4", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--stage", "0",
-                "--param-tolerance", "out.*=1e-3,1e-4", "--plot", str(tmp_path / "p.png"), "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = hp.ParityReport.from_json(proc.stdout)
-    assert report.ok and report.plans_match and len(report.losses[0]) == 4
-    assert report.tolerance.per_tensor == (("out.*", 1e-3, 1e-4),)
-    assert [name for name, *_ in report.params] == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
-    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--devices", "-2"], "--devices must be at least 1, got -2"),
-    (["--lr", "nan"], "--lr must be a finite number, got nan"),
-    (["--stage", "4"], "--stage must be 0, 1, 2 or 3, got 4"),
-    (["--optimizer", "lamb"], "optimizer must be one of ('sgd', 'adam', 'adamw'), got 'lamb'"),
-    (["--mapping", "tests.parity._pairs:VOCAB"], "must name a hybrid.core.ParamMapping (or a function returning one), got int"),
-    (["--torch", "tests.parity.test_harness:nothing"], "--torch 'tests.parity.test_harness:nothing': "
-                                                        "'tests.parity.test_harness' has no 'nothing'"),
-    (["--tolerance", "1e-5,1e-6"], "--tolerance wants 4 comma-separated numbers, got '1e-5,1e-6'"),
-    (["--tolerance", "1e-5,1e-6,-1,0"], "Tolerance.param_rtol must be a finite number >= 0, got -1.0"),
-    (["--param-tolerance", "out.bias"], "--param-tolerance wants PATTERN=RTOL,ATOL, got 'out.bias'"),
-    (["--param-tolerance", "out.bias=1e-3"], "--param-tolerance out.bias wants 2 comma-separated numbers"),
-    # a typo is found before anything trains, against torch's names
-    (["--param-tolerance", "out.bais=1e-3,1e-4"], "patterns ['out.bais'] match no tensor of the pair"),
-])
-def test_cli_refuses_bad_options_by_name(args, message):
-    here = "tests.parity.test_harness"
-    base = {"--torch": f"{here}:tiny_torch", "--jax": f"{here}:tiny_flax", "--data": f"{here}:tiny_data"}
-    base.update(dict(zip(args[::2], args[1::2])))
-    proc = _cli(*[x for kv in base.items() for x in kv])
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

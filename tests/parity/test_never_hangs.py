@@ -22,7 +22,7 @@ import time
 import pytest
 
 import hybrid.parity as hp
-from tests.parity.test_harness import tiny_data, tiny_flax, tiny_torch
+from tests.parity._pairs import tiny_data, tiny_flax, tiny_torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIVENESS_S = 90
@@ -45,7 +45,7 @@ def test_the_docs_first_example_runs_as_a_script(tmp_path):
 def _vanishing(tmp_path):
     """A factory in a module that is gone by the time the ranks start (an edited or moved file)."""
     (tmp_path / "vanishing_pair.py").write_text(
-        "from tests.parity.test_harness import tiny_torch\n\ndef factory():\n    return tiny_torch()\n")
+        "from tests.parity._pairs import tiny_torch\n\ndef factory():\n    return tiny_torch()\n")
     sys.path.insert(0, str(tmp_path))
     try:
         import vanishing_pair
