@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,42 @@ def init_gloo(rank: int, port: int, *, world: int = 2, timeout_s: float = 30) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+WORLD_TIMEOUT_S = 60  # as hybrid.demo's worlds: a rank that dies fails the others within this
+
+
+def _world_rank(fn, args, kwargs, world_size, rank, port, out):
+    """One rank: ``fn``'s value (rank 0's; the others report None) or the traceback."""
+    import torch.distributed as dist
+
+    from hybrid.demo import pin_torch_numerics
+
+    try:
+        init_gloo(rank, port, world=world_size, timeout_s=WORLD_TIMEOUT_S)
+        pin_torch_numerics()
+        value = fn(*args, **kwargs, progress=None)
+        out.put((rank, ("value", value if rank == 0 else None), 0.0))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        out.put((rank, ("error", traceback.format_exc()), 0.0))
+
+
+def torch_world(fn, *args, world_size: int = 2, wait_s: float = 150, **kwargs):
+    """``fn(*args, **kwargs, progress=None)`` on each rank of a gloo world of ``world_size`` ranks
+    forked from :func:`forkserver_context` (torch imported once for the test run, where
+    ``hybrid.demo.spawn_world`` starts fresh interpreters that import it: 2-3 s of CPU a rank);
+    rank 0's value, as ``spawn_world`` returns it. Each rank runs what ``spawn_world``'s rank runs:
+    gloo on 127.0.0.1, ``pin_torch_numerics()``, then ``fn``. A rank that raises fails the test with
+    its traceback. ``fn`` travels by reference: a rank imports its module, so that module should not
+    import jax at its top (every rank would).
+
+    >>> from hybrid.demo import TrainConfig, train_torch
+    >>> torch_world(train_torch, TrainConfig(num_steps=3), world_size=1).losses.shape
+    (3,)
+    """
+    reports, _ = forkserver_ranks(_world_rank, (fn, args, kwargs, world_size), world_size, world=world_size, wait_s=wait_s)
+    for rank, ((kind, value), _) in sorted(reports.items()):
+        if kind == "error":
+            pytest.fail(f"torch rank {rank} of {world_size} failed:\n{value}")
+    return reports[0][0][1]

@@ -27,7 +27,7 @@ from hybrid.checkpoint import Checkpoint, read_state
 from hybrid.checkpoint import jax as ckpt
 from hybrid.demo import TrainConfig, jax_params, train_jax, train_torch
 from tests._procs import finish, start_jax_job
-from tests.checkpoint._torch_world import torch_world
+from tests._procs import torch_world
 
 HERE = Path(__file__).parent
 STEPS, SAVE = 12, 6

@@ -10,7 +10,7 @@ tests/parity: the frameworks' float32 kernels round differently).
 
 The torch runs start worlds of their own: the world size a checkpoint is saved at and loaded into
 is the subject, and each of 2, 3, 1 and 2 ranks is started once (the two 3-rank runs share one
-world). Their ranks are forked from the test run's preloaded forkserver (``_torch_world``), not
+world). Their ranks are forked from the test run's preloaded forkserver (``tests._procs.torch_world``), not
 fresh interpreters each importing torch as ``launch_torch`` / ``spawn_world`` start them.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import hybrid.demo as demo  # train_jax on use: the torch ranks import this module and need no jax
 from hybrid.checkpoint import Checkpoint
 from hybrid.demo import TrainConfig, train_torch
-from tests.checkpoint._torch_world import torch_world
+from tests._procs import torch_world
 
 STEPS, SAVE = 12, 6
 # 48 rows split evenly over 1, 2 and 3 ranks or devices.

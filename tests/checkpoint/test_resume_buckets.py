@@ -14,7 +14,7 @@ load: the fresh DDP has not rebuilt yet, and carries the checkpoint's record of 
 into its save until it rebuilds its own.
 
 The 4-rank world is started once for the file (every run above in it, the ranks forked from the
-test run's preloaded forkserver: ``_torch_world``); the other tests need one rank, this process.
+test run's preloaded forkserver: ``tests._procs.torch_world``); the other tests need one rank, this process.
 """
 
 import contextlib
@@ -27,7 +27,7 @@ import pytest
 
 from hybrid.demo import TrainConfig
 from hybrid.models import GPTConfig
-from tests.checkpoint._torch_world import torch_world
+from tests._procs import torch_world
 
 GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 # Buckets capped at 16 KiB (bucket_cap_mb given: torch caps the first bucket alike), so the rebuilt

@@ -113,9 +113,9 @@ def test_resumes_in_torch(tmp_path):
     # JAX stage 3 on 3 devices saves at step 6; torch (DDP + ZeRO2, 2 gloo ranks) resumes there
     # and follows JAX's uninterrupted run to step 12.
     # (hybrid.demo's stage 3: the twin MLP over shard_params; test_zero3_crossing.py has the rest.)
-    # (The 2 ranks are forked from the test run's preloaded forkserver: _torch_world.)
+    # (The 2 ranks are forked from the test run's preloaded forkserver: tests._procs.torch_world.)
     from hybrid.demo import TrainConfig, train_jax, train_torch
-    from tests.checkpoint._torch_world import torch_world
+    from tests._procs import torch_world
 
     jax_run = train_jax(TrainConfig(global_batch_size=48, num_steps=12, stage=3), num_devices=3,
                         save_to=str(tmp_path / "jax3"), save_at=6)
