@@ -5,7 +5,7 @@ hybrid's DDP, ZeRO-1 and ZeRO3 against torch's DDP, ZeroRedundancyOptimizer and 
 float32 and under bf16: step times paired in one run with an A/A row, peak memory beside them, and
 goal records (``--json``) that ``bench summary`` turns into one table. ``--device cuda`` is NCCL
 ranks, one per GPU (JAX: its GPU devices); ``--device cpu`` runs the same code on gloo ranks and
-host devices. See docs/benchmarks.md, "GPT-2 small on a GPU".
+host devices. See docs/benchmarks/gpu.md, "GPT-2 small on a GPU".
 """
 
 from hybrid.bench.gpt._config import DTYPES, StepBench, add_arguments, config_from_args
