@@ -46,7 +46,7 @@ class Tolerance:
     ``per_tensor`` holds some parameters to a pair of their own: ``{pattern: (rtol, atol)}``, a
     pattern being a torch name or an ``fnmatch`` pattern over torch's names; the first that
     matches wins. For a tensor whose exact gradient is zero, say, which each framework moves by its
-    own rounding noise (docs/parity.md, "Reading a report").
+    own rounding noise (docs/parity.md, "Parameters that rounding alone moves").
 
     >>> t = Tolerance(per_tensor={"h.*.attn.c_attn.bias": (1e-3, 1e-4)})
     >>> t.param_tolerance("h.0.attn.c_attn.bias"), t.param_tolerance("h.0.attn.c_attn.weight")

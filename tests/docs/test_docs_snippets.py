@@ -38,6 +38,7 @@ def test_page_blocks_run(page, tmp_path, page_runner):
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 MENTION = re.compile(r"\bdocs/[\w./-]+\.md\b")
+SECTION = re.compile(r'\b(docs/[\w./-]+\.md), "([^"]+)"')   # docs/jax.md, "The first mistake"
 
 
 def slugs(page: pathlib.Path) -> set[str]:
@@ -51,6 +52,29 @@ def slugs(page: pathlib.Path) -> set[str]:
             title = line.lstrip("#").strip().lower()
             out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
     return out
+
+
+def leads(page: pathlib.Path) -> list[str]:
+    """The titles a reader can find a section of a page by: its headings, and the bold leads of its
+    paragraphs and list items (``- **State in files: ...**``), outside code fences."""
+    out, fence = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and (line.startswith("#") or re.match(r"\s*(?:- )?\*\*", line)):
+            out.append(re.sub(r"^\s*(?:#+|- )?\s*(?:\*\*)?", "", line))
+    return out
+
+
+def broken_mentions(text: str) -> list[str]:
+    """Every ``docs/NAME.md`` a text names exists, and every section it names by title there
+    (``docs/NAME.md, "Title"``) is a heading or bold lead of that page starting with the title."""
+    text = " ".join(text.replace("``", "`").split())
+    broken = [f"{name}: no such file" for name in MENTION.findall(text) if not (ROOT / name).exists()]
+    for name, title in SECTION.findall(text):
+        if (ROOT / name).exists() and not any(lead.startswith(title) for lead in leads(ROOT / name)):
+            broken.append(f'{name}, "{title}": no such heading')
+    return broken
 
 
 @pytest.mark.parametrize("page", [p.relative_to(DOCS).as_posix() for p in ALL_PAGES] + ["../README.md"])
@@ -70,8 +94,16 @@ def test_links_resolve(page):
             broken.append(f"{target}: no such file")
         elif anchor and dest.suffix == ".md" and anchor not in slugs(dest):
             broken.append(f"{target}: no heading with that anchor")
-    broken += [f"{name}: no such file" for name in MENTION.findall(path.read_text()) if not (ROOT / name).exists()]
+    broken += broken_mentions(path.read_text())
     assert not broken, f"{page}: " + "; ".join(broken)
+
+
+def test_code_names_pages_that_exist():
+    """The pages and sections hybrid's docstrings, messages and the CHANGELOG send a reader to exist
+    (a split or renamed page must not leave ``docs/NAME.md, "Title"`` pointing at nothing)."""
+    sources = sorted((ROOT / "hybrid").rglob("*.py")) + [ROOT / "CHANGELOG.md"]
+    broken = [f"{src.relative_to(ROOT)}: {b}" for src in sources for b in broken_mentions(src.read_text())]
+    assert not broken, "; ".join(broken)
 
 
 @pytest.mark.parametrize("page", [p.relative_to(DOCS).as_posix() for p in ALL_PAGES] + ["../README.md"])
