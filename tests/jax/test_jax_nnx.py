@@ -1,6 +1,7 @@
-"""flax NNX state where a params tree goes: ``zero`` at stages 1-3 (``nnx.Optimizer`` under
-``nnx.jit`` + ``nnx.shard_map``, and the functional ``nnx.split`` / ``nnx.merge`` step under
-``jax.jit``), ``shard_params`` / ``init_shards``, the mapping to the torch twin and checkpoints
+"""flax NNX state where a params tree goes: ``zero`` at stages 1-3 (``nnx.Optimizer`` at stages 1-2
+under ``nnx.jit`` + ``nnx.shard_map`` and under a plain ``nnx.jit`` / ``jax.jit`` over the Mesh,
+refused at stage 3 naming the functional step; the functional ``nnx.split`` / ``nnx.merge`` step
+under ``jax.jit``), ``shard_params`` / ``init_shards``, the mapping to the torch twin and checkpoints
 that cross to ``TorchGPT`` and the linen ``FlaxGPT``.
 
 The model is :class:`hybrid.models.NNXGPT` (embeddings, LayerNorm, attention, MLP, written in the
@@ -8,6 +9,7 @@ NNX idiom); the oracle the unsharded ``nnx.Optimizer`` with the same optax trans
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +17,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hybrid.jax as hj
+from hybrid.core import plan_buckets, shard_flat
 from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig, NNXGPT, nnx_loss
 from tests.jax._jax_model import jitted
 
@@ -128,6 +131,77 @@ def test_nnx_optimizer_zero_equals_optax(stage, tmp_path):
         assert step == STEPS
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(optimizer.opt_state), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- the same idiom under a plain nnx.jit over the Mesh: zero(..., mesh=MESH), nnx.grad ---------------
+def _collectives(text):
+    """``{kind: count}`` of the compiled module's collectives."""
+    kinds = re.findall(r"= .+? (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(", text)
+    return {k: kinds.count(k) for k in set(kinds)}
+
+
+@pytest.mark.parametrize("stage,jit", [(1, "nnx.jit"), (2, "nnx.jit"), (2, "jax.jit")])
+def test_nnx_optimizer_zero_under_plain_jit(stage, jit):
+    """nnx.Optimizer(model, zero(chain, "dp", stage=k, mesh=MESH)) and optimizer.update(model,
+    nnx.grad(loss)(model, ...)) in a plain nnx.jit (or jax.jit over nnx.split / nnx.merge, flax's
+    functional form), the batch sharded P("dp"), the model's arrays replicated: no shard_map, no
+    local_grad. Equal to the unsharded nnx.Optimizer (RTOL, ATOL above: the gradient is XLA's
+    partitioned sum over the devices' rows, another order than the reference's); the optimizer
+    state 1/4 per device; the compiled step's collectives those of
+    tests/jax/test_jax_zero_jit.py::test_compiled_step_collectives: one all-gather per bucket and one
+    all-reduce of the gradient, nothing else (stages 1 and 2 are one program: stage 2's nnx.jit
+    step is stage 1's, from the compilation cache)."""
+    model = _model()
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(MESH, P())))
+    tx = hj.zero(_tx(), AXIS, stage=stage, mesh=MESH)
+    optimizer = nnx.jit(lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param))(model)
+    rows = NamedSharding(MESH, P(AXIS))
+    batch = lambda i: jax.device_put(_batch(i), rows)
+
+    if jit == "nnx.jit":
+        @nnx.jit
+        def step(model, optimizer, idx, tgt):
+            optimizer.update(model, nnx.grad(nnx_loss)(model, idx, tgt))   # plain nnx.grad over the global batch
+
+        text = step.lower(model, optimizer, *batch(0)).compile().as_text()
+        run = lambda i: step(model, optimizer, *batch(i))
+    else:
+        graphdef, state = nnx.split((model, optimizer))
+
+        def pure_step(state, idx, tgt):
+            model, optimizer = nnx.merge(graphdef, state)
+            optimizer.update(model, nnx.grad(nnx_loss)(model, idx, tgt))
+            return nnx.state((model, optimizer))
+
+        compiled = jitted(pure_step, quick=True).lower(state, *batch(0)).compile()  # the collectives: XLA's
+        text = compiled.as_text()                                                   # passes, not its codegen
+
+        def run(i):
+            nnx.update((model, optimizer), compiled(nnx.state((model, optimizer)), *batch(i)))
+    found = _collectives(text)
+    num_buckets = shard_flat(plan_buckets(hj.specs(nnx.state(model, nnx.Param))), 4).bucket_plan.num_buckets
+    assert found == {"all-gather": num_buckets, "all-reduce": 1}, found
+    for i in range(STEPS):
+        run(i)
+    _close(_params(model), _reference())
+    for x in jax.tree.leaves(nnx.state(optimizer.opt_state)):
+        if x.ndim:  # a bucket of Adam's moments: a quarter of it on each device
+            assert [s.data.shape for s in x.addressable_shards] == [(x.shape[0] // 4,)] * 4
+    assert int(optimizer.step[...]) == STEPS
+
+
+@pytest.mark.parametrize("mesh", [MESH, None], ids=["jit", "shard_map"])
+def test_nnx_optimizer_refuses_stage3_naming_the_functional_step(mesh):
+    """At stage 3 nnx.Optimizer would step the module's whole Params (what stage 3 does not keep):
+    refused when it is built, the message naming why and the functional step that works (the one
+    test_stage3_on_nnx_state_equals_optax runs)."""
+    tx = hj.zero(_tx(), AXIS, stage=3, mesh=mesh)
+    make = lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if mesh is None:
+        make = nnx.shard_map(make, mesh=MESH, in_specs=P(), out_specs=P(AXIS))
+    with pytest.raises(TypeError, match=r"nnx\.Optimizer cannot hold a ZeRO stage-3 model.*shard_params.*"
+                                        r"gathered.*nnx\.merge"):
+        nnx.jit(make)(_model())
 
 
 def test_nnx_optimizer_accumulates_with_multi_steps():

@@ -40,7 +40,7 @@ from hybrid.jax._elementwise import GLOBAL_DECISIONS, non_elementwise, optax_nam
 from hybrid.jax._specs import _Layout, check_caps
 from hybrid.jax.sharded._global import check_mesh, global_buckets, local_buckets
 from hybrid.jax.sharded._axis_aware import axis_aware
-from hybrid.jax.sharded._params import ParamShards
+from hybrid.jax.sharded._params import ParamShards, refuse_nnx_state
 from hybrid.jax.sharded._slices import ZeroState, check_inner, check_plan, on_slices, zero_state
 
 # Exact on whole buckets (they decide over every element), refused on a device's slices.
@@ -142,6 +142,7 @@ def zero_jit(inner: optax.GradientTransformation, axis_name: str, mesh: Mesh, *,
 
 def _check_global(shards, what: str, axis_name: str, n: int) -> ParamShards:
     if not isinstance(shards, ParamShards):
+        refuse_nnx_state(shards, what, axis_name, mesh=True)
         raise TypeError(f"{what}: expected the global ParamShards of hybrid.jax.shard_params(params, "
                         f"{axis_name!r}, mesh=mesh) or hybrid.jax.init_shards (ZeRO stage 3 keeps parameters as "
                         f"flat slices), got {type(shards).__name__}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import numpy as np
@@ -119,10 +120,32 @@ def shard_params(params, axis_name, *, bucket_cap_bytes: int | None = None, firs
                        ShardLayout(layout, shards, axis_name))
 
 
+def refuse_nnx_state(tree, what: str, axis_name, *, mesh: bool = False) -> None:
+    """Raise where stage 3 is handed a flax NNX ``nnx.State`` of whole parameters, the one
+    ``nnx.Optimizer(model, zero(..., stage=3), wrt=nnx.Param)`` builds its state from, saying why
+    it cannot work and the functional step that does."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or not isinstance(tree, nnx.State):
+        return
+    raise TypeError(
+        f"{what}: got an nnx.State of the model's whole parameters (as nnx.Optimizer(model, zero(..., "
+        f"stage=3), wrt=nnx.Param) gives it). nnx.Optimizer cannot hold a ZeRO stage-3 model: it steps "
+        f"the module's own nnx.Params, the whole arrays its layers compute with on every device, and "
+        f"writes them back into it, where stage 3 keeps only each device's flat slice of the plan's "
+        f"buckets (ParamShards) and gathers them inside the loss. Step the functional way: graphdef, "
+        f"params = nnx.split(model, nnx.Param); shards = hybrid.jax.shard_params(params, {axis_name!r}"
+        f"{', mesh=mesh' if mesh else ''}) "
+        f"(or hybrid.jax.init_shards); loss = hybrid.jax.gathered(lambda p, *batch: "
+        f"loss_fn(nnx.merge(graphdef, p), *batch)); tx.init(shards) and tx.update(jax.grad(loss)(shards, "
+        f"*batch), state, shards); the trained module is nnx.merge(graphdef, hybrid.jax.unshard_params("
+        f"shards)) (docs/jax-zero.md, 'ZeRO-3 with flax NNX'). nnx.Optimizer works at stages 1 and 2")
+
+
 def check_local(shards, what: str, axis_name=None) -> ParamShards:
     """``shards`` if they are this device's ParamShards (for ``axis_name``, default their own) as
     bound here, else an error that names what differs."""
     if not isinstance(shards, ParamShards):
+        refuse_nnx_state(shards, what, axis_name if axis_name is not None else "dp")
         raise TypeError(f"{what}: expected the ParamShards of hybrid.jax.shard_params (ZeRO stage 3 keeps "
                         f"parameters as flat slices), got {type(shards).__name__}")
     lay = shards.layout
