@@ -49,6 +49,9 @@ def _source_options(p) -> None:
     p.add_argument("--from", dest="source_format", choices=FORMATS, help="insist on the source's format")
     p.add_argument("--step", type=int, help="the step of an orbax CheckpointManager directory, or the training "
                                             "step of a checkpoint that records none")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3),
+                   help="orbax: the ZeRO stage that saved hybrid.jax.zero's state, where the save holds no plan_tag "
+                        "and the bucket plans of stages 1-2 and 3 both fit it")
 
 
 def _object(reference: str):
@@ -131,6 +134,8 @@ def _numel(shape) -> int:
 
 def run(args) -> int:
     options = dict(format=args.source_format, step=args.step)
+    if args.zero_stage is not None:  # the orbax reader's option; other formats' readers take none
+        options["zero_stage"] = args.zero_stage
     try:
         if args.action == "info":
             d = describe(open_checkpoint(args.path, **options))

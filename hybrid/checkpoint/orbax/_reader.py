@@ -121,6 +121,9 @@ class OrbaxCheckpoint(ForeignCheckpoint):
       params_like: the params tree a load reads into (``hybrid.checkpoint.jax.load`` passes it):
         names the buckets of ZeRO-3 ``ParamShards`` saved as they are (``params.buckets.<b>``),
         which hold no names.
+      zero_stage: for ``hybrid.jax.zero``'s state saved without its ``plan_tag``, the stage that
+        saved it (1 or 2: ``plan_buckets``' plan; 3: ``zero3_plan``'s). Where the tag is saved it
+        decides; without either, a state that plans of different layouts fit alike is refused.
 
     >>> import os, tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
     >>> params = {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}}
@@ -133,7 +136,9 @@ class OrbaxCheckpoint(ForeignCheckpoint):
     """
 
     def __init__(self, path: str | os.PathLike, *, step: int | None = None, params_key: str = "params",
-                 item: str | None = None, params_like=None):
+                 item: str | None = None, params_like=None, zero_stage: int | None = None):
+        if zero_stage not in (None, 1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage!r}: the ZeRO stage that saved the state is 1, 2 or 3")
         root = pathlib.Path(os.path.realpath(path))
         if not root.is_dir():
             raise CheckpointError(f"{path}: no checkpoint directory there")
@@ -169,6 +174,7 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         tag_paths = [p for p, m in rest if p[-1:] == ("plan_tag",) and _shape(m) == ()]
         rest = [(p, m) for p, m in rest if p not in tag_paths]
         self._tags = self._restore_scalars(tag_paths)
+        self._zero_stage = zero_stage
         optimizer = self._optimizer(params, rest, where)
         own_count = optimizer[1] + ("count",) if optimizer and optimizer[0] == "adam" else None
         others = [p for p, m in rest if _shape(m) == () and p != own_count]  # schedule counts, MultiSteps', ...
@@ -203,8 +209,7 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         if self._zero is not None:
             metadata["zero_layout"] = {"buckets": self._zero[0].num_buckets, "plan": self._zero[0].fingerprint(),
                                        "lengths": [b.length for b in self._zero[0].buckets],
-                                       "recognised_by": "its plan_tag" if self._tags else
-                                       "the buckets' lengths (no plan_tag saved: the first plan that fits)"}
+                                       "recognised_by": self._zero[2]}
         run_state = {CARRIED: carried([(p, v.item()) for p, v in kept.items()], source="orbax", where=where)} if kept else {}
         manifest = foreign_manifest("jax", specs, step=run_step, optimizer=info, buffers=buffers,
                                     metadata=metadata, run_state=run_state)
@@ -251,12 +256,12 @@ class OrbaxCheckpoint(ForeignCheckpoint):
         if not found and rest:  # hybrid.jax.zero's own state: flat buckets of the params' plan
             try:
                 zero = find_zero_node({p: (_shape(m), str(m.dtype)) for p, m in params.items()}, rest, _SLOTS,
-                                      _shape, self._params_plan, self._tags)
+                                      _shape, self._params_plan, self._tags, self._zero_stage)
             except CheckpointError as e:
                 raise CheckpointError(f"{where}: {e}") from None
             if zero is not None:
-                kind, node, plan, n = zero
-                found, self._zero = [(kind, node)], (plan, n)
+                kind, node, plan, n, how = zero
+                found, self._zero = [(kind, node)], (plan, n, how)
         optimizer = found[0] if found else None
         # MultiSteps' acc_grads (params-shaped, beside a known optimizer): put back as saved by load.
         # Only those: any other array (adagrad's sum_of_squares) is a moment hybrid cannot carry.

@@ -8,7 +8,9 @@ devices). The plan's fingerprint is static pytree metadata, so orbax does not wr
 rebuilt from the params' names, shapes and dtypes with zero's defaults (stages 1-2:
 ``hybrid.core.plan_buckets``; stage 3: ``hybrid.core.zero3_plan``, the plan of ``shard_params``)
 and recognised by ``ZeroState.plan_tag``, an array leaf orbax does write (the plan fingerprint's
-first 32 bits), then by the number and padded lengths of the buckets. Each parameter's moment is then
+first 32 bits). A save without the tag is read by the plan of the ``zero_stage`` the reader is
+given, else by the number and padded lengths of its buckets where they tell one layout; where
+plans of different layouts fit alike it is refused, naming them. Each parameter's moment is then
 the run ``[offset, offset + numel)`` of its bucket, whatever the device count it was saved at.
 """
 
@@ -31,6 +33,11 @@ def _specs(params: dict) -> list:
             for parts, (shape, dtype) in sorted(params.items(), key=lambda kv: order(kv[0]))]
 
 
+STAGES_1_2 = "zero stages 1-2 (plan_buckets, default caps)"
+STAGE_3 = "zero stage 3 (zero3_plan, default caps)"
+SAVED_SHARDS = "the saved ParamShards' plan"  # stage 3's, its params saved as they are
+
+
 def candidate_plans(params: dict) -> list[tuple[str, BucketPlan]]:
     """``[(what, plan)]``: the bucket plans ``zero`` makes of these params (``{key path: (shape,
     dtype)}``) with its defaults (stages 1-2, then stage 3); none where they cannot be planned."""
@@ -40,12 +47,39 @@ def candidate_plans(params: dict) -> list[tuple[str, BucketPlan]]:
         specs = _specs(params)
         if not specs or any(not s.dtype.startswith(("float", "bfloat")) for s in specs):
             return []
-        return [("zero stages 1-2 (plan_buckets, default caps)", plan_buckets(
-                    specs, bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES)),
-                ("zero stage 3 (zero3_plan, default caps)", zero3_plan(specs, bucket_cap_bytes=None,
-                                                                       first_bucket_cap_bytes=None))]
+        return [(STAGES_1_2, plan_buckets(specs, bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES,
+                                          first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_CAP_BYTES)),
+                (STAGE_3, zero3_plan(specs, bucket_cap_bytes=None, first_bucket_cap_bytes=None))]
     except (TypeError, ValueError):
         return []
+
+
+def _stage_fits(what: str, zero_stage: int | None) -> bool:
+    """Whether the candidate plan ``what`` is the plan of ``zero_stage`` (any, where None)."""
+    return zero_stage is None or (zero_stage == 3) == (what != STAGES_1_2)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes and nbytes % (1 << 20) == 0 else f"{nbytes:,} bytes"
+
+
+def _described(what: str, plan: BucketPlan) -> str:
+    """A candidate plan as an error names it: which stages, its caps, its tag."""
+    limits = plan.size_limits
+    caps = (f"first bucket {_size(limits[0])}, then {_size(limits[-1])}" if len(limits) > 1
+            else f"{_size(limits[0])} a bucket")
+    return f"{what.replace('default caps', caps)}, plan_tag {plan.tag():#010x}"
+
+
+def _ambiguous(leaf: str, fits: list) -> CheckpointError:
+    """The error of an untagged state that plans of other layouts fit alike: which, and how to say."""
+    return CheckpointError(
+        f"{leaf}: zero's flat buckets there carry no plan_tag (saved before ZeroState kept one), and "
+        f"{len(fits)} bucket plans hybrid rebuilds from the params saved beside them fit their lengths but "
+        f"put the parameters at other offsets: {'; '.join(_described(what, c) for what, c, _ in fits)}. "
+        f"Reading it by either could put one parameter's moments on another, so say which stage saved it: "
+        f"hybrid.checkpoint.jax.load(hybrid.checkpoint.open_checkpoint(path, zero_stage=3), params, opt_state) "
+        f"(zero_stage=1 or 2: the stages 1-2 plan), or python -m hybrid checkpoint info|convert ... --zero-stage 3")
 
 
 def padded_world(plan: BucketPlan, sizes: list[int]) -> int | None:
@@ -85,19 +119,25 @@ def _tag_of(node: tuple, tags: dict) -> tuple[tuple, int] | None:
 
 
 def find_zero_node(params: dict, rest: list, slots_by_kind: dict, shape_of, plan: BucketPlan | None = None,
-                   tags: dict | None = None) -> tuple | None:
-    """``(kind, node, plan, n)`` for the one zero state node of ``rest`` (orbax's ``[(key path,
+                   tags: dict | None = None, zero_stage: int | None = None) -> tuple | None:
+    """``(kind, node, plan, n, how)`` for the one zero state node of ``rest`` (orbax's ``[(key path,
     metadata)]`` of the optimizer state) whose slots are flat buckets of a plan of ``params``
-    (``{key path: (shape, dtype)}``), or None. ``plan``: the one plan it can be (the saved
-    ParamShards': stage 3); else zero's plans with default caps (stages 1-2, stage 3).
+    (``{key path: (shape, dtype)}``), or None; ``how`` says what told the plan. ``plan``: the one
+    plan it can be (the saved ParamShards': stage 3); else zero's plans with default caps (stages
+    1-2, stage 3).
 
     ``tags``: ``{key path: value}`` of the saved ``ZeroState.plan_tag`` leaves. A tagged node is
     read by the plan of that tag alone (stages 1-2 and stage 3 cut small models into buckets of the
     same lengths in another order: the lengths cannot tell them apart), and refused, naming it,
     where no plan hybrid can rebuild has it. An untagged node (a save from before the tag) is read
-    by the first plan that fits, stages 1-2's before stage 3's.
+    by the plan of ``zero_stage`` where it is given (1 or 2: stages 1-2's; 3: stage 3's), else by
+    the one plan whose lengths fit it; where several fit and lay the parameters out differently it
+    is refused, naming them and ``zero_stage``.
     """
-    plans = [("the saved ParamShards' plan", plan)] if plan is not None else candidate_plans(params)
+    if plan is not None and zero_stage in (1, 2):
+        raise CheckpointError(f"zero_stage={zero_stage}, but the params are saved as ZeRO-3 ParamShards: "
+                              f"the state beside them is stage 3's (drop zero_stage, or pass 3)")
+    plans = [(SAVED_SHARDS, plan)] if plan is not None else candidate_plans(params)
     if not plans:
         return None
     tags = tags or {}
@@ -114,21 +154,39 @@ def find_zero_node(params: dict, rest: list, slots_by_kind: dict, shape_of, plan
                 per_slot.append([sub[(b,)][0] for b in range(len(sub))])
             if len(per_slot) != len(slots) or any(x != per_slot[0] for x in per_slot):
                 continue
+            leaf = ".".join(map(str, (*node, slots[0])))
             tagged = _tag_of(node, tags)
-            if tagged is not None and not any(candidate.tag() == tagged[1] for _, candidate in plans):
-                raise CheckpointError(
-                    f"{'.'.join(map(str, tagged[0]))}: zero's state there is laid out by the bucket plan tagged "
-                    f"{tagged[1]:#010x}, which is none of the plans hybrid rebuilds from the params saved beside it "
-                    f"({', '.join(f'{what}: {c.tag():#010x}' for what, c in plans)}): it was planned with other "
-                    f"bucket caps, another leaf order or other params. Save the params zero was initialised with "
-                    f"(at stage 3 the ParamShards as they are), with zero's default caps")
-            for _, candidate in plans:
-                if tagged is not None and candidate.tag() != tagged[1]:
-                    continue
-                n = padded_world(candidate, per_slot[0])
-                if n is not None:
-                    found.append((kind, node, candidate, n))
-                    break
+            fits = [(what, c, padded_world(c, per_slot[0])) for what, c in plans]
+            fits = [(what, c, n) for what, c, n in fits if n is not None]
+            if tagged is not None:
+                tag_path = ".".join(map(str, tagged[0]))
+                if not any(candidate.tag() == tagged[1] for _, candidate in plans):
+                    raise CheckpointError(
+                        f"{tag_path}: zero's state there is laid out by the bucket plan tagged {tagged[1]:#010x}, "
+                        f"which is none of the plans hybrid rebuilds from the params saved beside it "
+                        f"({', '.join(f'{what}: {c.tag():#010x}' for what, c in plans)}): it was planned with other "
+                        f"bucket caps, another leaf order or other params. Save the params zero was initialised "
+                        f"with (at stage 3 the ParamShards as they are), with zero's default caps")
+                fits = [(what, c, n) for what, c, n in fits if c.tag() == tagged[1]]
+                if fits and not _stage_fits(fits[0][0], zero_stage):
+                    raise CheckpointError(f"{tag_path}: zero_stage={zero_stage}, but the state's plan_tag "
+                                          f"{tagged[1]:#010x} names the plan of {fits[0][0]}: drop zero_stage")
+                how = "its plan_tag"
+            elif zero_stage is not None:
+                other = [what for what, _, _ in fits if not _stage_fits(what, zero_stage)]
+                fits = [(what, c, n) for what, c, n in fits if _stage_fits(what, zero_stage)]
+                if not fits and other:
+                    raise CheckpointError(f"{leaf}: zero_stage={zero_stage}, but zero's buckets there do not fit "
+                                          f"that stage's plan's lengths; they fit {other[0]}'s")
+                how = f"zero_stage={zero_stage} (no plan_tag saved)"
+            else:
+                if len(fits) > 1 and any(bucket_runs(c) != bucket_runs(fits[0][1]) for _, c, _ in fits[1:]):
+                    raise _ambiguous(leaf, fits)
+                how = ("the buckets' lengths (no plan_tag saved: " +
+                       ("the one plan that fits)" if len(fits) == 1 else "the plans that fit lay the parameters out alike)"))
+            if fits:
+                _, candidate, n = fits[0]
+                found.append((kind, node, candidate, n, how))
     return found[0] if len(found) == 1 else None
 
 
