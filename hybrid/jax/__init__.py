@@ -21,4 +21,12 @@ __all__ = [
     "abstract_shards", "apply_if_finite", "auto_bucket_plan", "bucketed_all_reduce", "clip_by_global_norm", "gather_params", "gathered",
     "gradient_ready_order", "init_shards", "key_path_name", "local_grad", "measure_collectives", "shard_params", "specs",
     "state_specs", "unshard_params", "use_memory_first_xla_cpu", "zero",
-]
+]  # and ShardedModule (flax NNX at stage 3), imported on first use: not in __all__, so * never imports flax
+
+
+def __getattr__(name):
+    # ShardedModule is an nnx.Module: flax is imported only when it is asked for
+    if name == "ShardedModule":
+        from hybrid.jax.sharded._nnx import ShardedModule
+        return ShardedModule
+    raise AttributeError(f"module 'hybrid.jax' has no attribute {name!r}")

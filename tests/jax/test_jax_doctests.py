@@ -11,7 +11,7 @@ import pytest
                                   "hybrid.jax._specs", "hybrid.jax._state_specs",
                                   "hybrid.jax.sharded._zero", "hybrid.jax._cost_probe", "hybrid.jax._ready",
                                   "hybrid.jax.sharded._params", "hybrid.jax.sharded._init", "hybrid.jax._auto",
-                                  "hybrid.jax.sharded._axis_aware", "hybrid.jax.sharded._xla_flags",
+                                  "hybrid.jax.sharded._axis_aware", "hybrid.jax.sharded._xla_flags", "hybrid.jax.sharded._nnx",
                                   "hybrid.jax.sharded.offload._optimizer", "hybrid.jax.sharded.offload._probe"])
 def test_module_doctests(name):
     result = doctest.testmod(importlib.import_module(name))

@@ -1,6 +1,6 @@
 """flax NNX state where a params tree goes: ``zero`` at stages 1-3 (``nnx.Optimizer`` at stages 1-2
 under ``nnx.jit`` + ``nnx.shard_map`` and under a plain ``nnx.jit`` / ``jax.jit`` over the Mesh,
-refused at stage 3 naming the functional step; the functional ``nnx.split`` / ``nnx.merge`` step
+at stage 3 on a ``hybrid.jax.ShardedModule``, refused on the plain model; the functional ``nnx.split`` / ``nnx.merge`` step
 under ``jax.jit``), ``shard_params`` / ``init_shards``, the mapping to the torch twin and checkpoints
 that cross to ``TorchGPT`` and the linen ``FlaxGPT``.
 
@@ -190,18 +190,63 @@ def test_nnx_optimizer_zero_under_plain_jit(stage, jit):
     assert int(optimizer.step[...]) == STEPS
 
 
+def test_nnx_optimizer_stage3_on_a_sharded_module():
+    """nnx.Optimizer(ShardedModule(model), zero(chain, "dp", stage=3, mesh=MESH)) and
+    optimizer.update(sharded, nnx.grad(loss)(sharded, ...)) in a plain nnx.jit: the model's Params
+    held as ParamShards (1/4 of every bucket per device), equal to the unsharded nnx.Optimizer
+    (RTOL, ATOL above; the gradient reduce-scattered per bucket, another order again). The
+    compiled step: one all-gather and one reduce-scatter per bucket (XLA:CPU merges the backward's
+    gather with the forward's), nothing else (a step that returns the loss adds an all-reduce of
+    its scalar sum)."""
+    caps = dict(bucket_cap_bytes=8 << 10, first_bucket_cap_bytes=4 << 10)  # several buckets
+    sharded = hj.ShardedModule(_model(), AXIS, mesh=MESH, **caps)
+    shards = sharded.shards.get_value()
+    assert len(shards.buckets) >= 3
+    for x in shards.buckets:
+        assert [s.data.shape for s in x.addressable_shards] == [(x.shape[0] // 4,)] * 4
+    tx = hj.zero(_tx(), AXIS, stage=3, mesh=MESH)
+    optimizer = nnx.jit(lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param))(sharded)
+
+    @nnx.jit
+    def step(model, optimizer, idx, tgt):
+        optimizer.update(model, nnx.grad(nnx_loss)(model, idx, tgt))
+
+    rows = NamedSharding(MESH, P(AXIS))
+    batch = lambda i: jax.device_put(_batch(i), rows)
+    text = step.lower(sharded, optimizer, *batch(0)).compile().as_text()
+    found = _collectives(text)
+    num_buckets = len(shards.buckets)
+    assert found == {"all-gather": num_buckets, "reduce-scatter": num_buckets}, found
+    for i in range(STEPS):
+        step(sharded, optimizer, *batch(i))
+    _close(nnx.to_pure_dict(nnx.state(sharded.unsharded(), nnx.Param)), _reference())
+    assert int(optimizer.step[...]) == STEPS
+
+
 @pytest.mark.parametrize("mesh", [MESH, None], ids=["jit", "shard_map"])
-def test_nnx_optimizer_refuses_stage3_naming_the_functional_step(mesh):
-    """At stage 3 nnx.Optimizer would step the module's whole Params (what stage 3 does not keep):
-    refused when it is built, the message naming why and the functional step that works (the one
-    test_stage3_on_nnx_state_equals_optax runs)."""
+def test_nnx_optimizer_refuses_a_plain_model_at_stage3(mesh):
+    """At stage 3 nnx.Optimizer on the model itself would step its whole Params (what stage 3 does
+    not keep): refused when it is built, the message naming why, ShardedModule and the functional
+    step (the one test_stage3_on_nnx_state_equals_optax runs)."""
     tx = hj.zero(_tx(), AXIS, stage=3, mesh=mesh)
     make = lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param)
     if mesh is None:
         make = nnx.shard_map(make, mesh=MESH, in_specs=P(), out_specs=P(AXIS))
-    with pytest.raises(TypeError, match=r"nnx\.Optimizer cannot hold a ZeRO stage-3 model.*shard_params.*"
-                                        r"gathered.*nnx\.merge"):
+    with pytest.raises(TypeError, match=r"nnx\.Optimizer cannot step a plain NNX model at ZeRO stage 3.*"
+                                        r"hybrid\.jax\.ShardedModule\(model.*shard_params.*gathered.*nnx\.merge"):
         nnx.jit(make)(_model())
+
+
+def test_sharded_module_refuses_what_it_cannot_split():
+    class Counting(nnx.Module):  # a forward that updates a variable other than a Param
+        def __init__(self):
+            self.linear, self.calls = nnx.Linear(4, 2, rngs=nnx.Rngs(0)), nnx.BatchStat(jnp.zeros(()))
+
+    with pytest.raises(ValueError, match=r"variables other than nnx\.Param \(\['calls'\]\)"):
+        hj.ShardedModule(Counting(), AXIS, mesh=MESH)
+    sharded = hj.ShardedModule(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), AXIS, mesh=MESH)
+    with pytest.raises(ValueError, match="argument 0 has 6 rows, not a multiple of the 4 devices"):
+        sharded(jnp.ones((6, 4)))
 
 
 def test_nnx_optimizer_accumulates_with_multi_steps():

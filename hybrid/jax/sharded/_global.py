@@ -115,6 +115,24 @@ def gather_global(shards, mesh):
     return lay.layout.unflatten(per_spec)
 
 
+def batch_specs(args, axis_name: str, n: int, what: str, *, shards_at: int | None = None) -> tuple:
+    """``shard_map`` in_specs for positional ``args`` run per device under a plain jit: every array
+    split over ``axis_name`` on its first dimension (the batch, a multiple of the ``n`` devices),
+    scalars replicated, the ParamShards at ``shards_at`` ``P(axis_name)``; an error names ``what``
+    and the argument whose rows do not split."""
+    def spec(i, path, x):
+        if getattr(x, "ndim", 0) == 0:
+            return P()
+        if x.shape[0] % n:
+            raise ValueError(f"{what}: argument {i}{jax.tree_util.keystr(path)} has {x.shape[0]} rows, not a "
+                             f"multiple of the {n} devices over {axis_name!r}: under a plain jit every array "
+                             f"argument besides the shards is the batch, split over the axis on its first dimension")
+        return P(axis_name)
+
+    return tuple(P(axis_name) if i == shards_at else jax.tree_util.tree_map_with_path(
+        lambda path, x, i=i: spec(i, path, x), a) for i, a in enumerate(args))
+
+
 def per_device_mean(fun, args, kwargs, argnums: int, mesh, axis_name: str):
     """``fun(*args)`` for global ParamShards at ``argnums`` under a plain jit, run per device inside
     ``shard_map``: the shards ``P(axis)`` (each device its slices, gathered inside ``fun``), every
@@ -127,19 +145,7 @@ def per_device_mean(fun, args, kwargs, argnums: int, mesh, axis_name: str):
         raise TypeError(f"gathered: under a plain jit on global ParamShards pass the batch positionally "
                         f"(got keyword arguments {sorted(kwargs)}): every positional array is split over "
                         f"{axis_name!r} on its first dimension")
-    n = mesh.shape[axis_name]
-
-    def spec(i, path, x):
-        if getattr(x, "ndim", 0) == 0:
-            return P()
-        if x.shape[0] % n:
-            raise ValueError(f"gathered: argument {i}{jax.tree_util.keystr(path)} has {x.shape[0]} rows, not a "
-                             f"multiple of the {n} devices over {axis_name!r}: under a plain jit every array "
-                             f"argument besides the shards is the batch, split over the axis on its first dimension")
-        return P(axis_name)
-
-    specs = tuple(P(axis_name) if i == argnums else jax.tree_util.tree_map_with_path(
-        lambda path, x, i=i: spec(i, path, x), a) for i, a in enumerate(args))
+    specs = batch_specs(args, axis_name, mesh.shape[axis_name], "gathered", shards_at=argnums)
 
     def local(*a):
         return jax.tree.map(lambda v: jax.lax.pmean(v, axis_name), fun(*a))

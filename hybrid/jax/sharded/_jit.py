@@ -14,7 +14,9 @@ and its sharding a ``NamedSharding`` that XLA partitions:
 - at stage 3 the parameters are global :class:`~hybrid.jax.ParamShards` (``P(axis)``), the loss
   takes them through :func:`hybrid.jax.gathered`, which runs it per device (one all-gather per
   bucket, whose transpose under ``jax.grad`` is one reduce-scatter per bucket), and ``update``
-  returns updates of the sharded buckets: no collective of its own.
+  returns updates of the sharded buckets: no collective of its own. A container of exactly one
+  ParamShards (the nnx.State of a :class:`hybrid.jax.ShardedModule`, as ``nnx.Optimizer`` hands
+  it over) is taken too, the updates given back in the same container.
 
 Inside ``zero`` the inner transform sees whole buckets, so optax's own ``clip_by_global_norm``
 (and ``apply_if_finite``) decide over every element, as unsharded; masks and labels are rewritten
@@ -157,13 +159,25 @@ def _check_global(shards, what: str, axis_name: str, n: int) -> ParamShards:
     return shards
 
 
+def _held(tree):
+    """``(the ParamShards, put back)`` where ``tree`` is a container of exactly one ParamShards (the
+    nnx.State of a :class:`hybrid.jax.ShardedModule`, as ``nnx.Optimizer`` passes it), else
+    ``(tree, identity)``."""
+    if isinstance(tree, ParamShards):
+        return tree, lambda shards: shards
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, ParamShards))
+    if len(leaves) == 1 and isinstance(leaves[0], ParamShards):
+        return leaves[0], lambda shards: jax.tree.unflatten(treedef, [shards])
+    return tree, lambda shards: shards
+
+
 def _zero3_jit(flat_inner, axis_name: str, n: int, sharded, replicated) -> optax.GradientTransformation:
     def bound(shards: ParamShards):
         lay = shards.layout
         return flat_inner(lay.layout.abstract(), lay.layout, lay.shards)
 
     def init_fn(params):
-        shards = _check_global(params, "zero.init (stage 3)", axis_name, n)
+        shards = _check_global(_held(params)[0], "zero.init (stage 3)", axis_name, n)
         buckets = tuple(jax.lax.with_sharding_constraint(x, sharded) for x in shards.buckets)
         state = bound(shards).init(buckets)
         return zero_state(_shard_state(state, sharded, replicated, n), shards.layout.shards)
@@ -171,12 +185,14 @@ def _zero3_jit(flat_inner, axis_name: str, n: int, sharded, replicated) -> optax
     def update_fn(updates, state, params=None):
         if not isinstance(state, ZeroState):
             raise TypeError(f"zero.update: state must be the ZeroState from zero.init, got {type(state).__name__}")
+        updates, put_back = _held(updates)
         grads = _check_global(updates, "zero.update (stage 3) updates", axis_name, n)
         if grads.layout.shards.fingerprint() != state.plan_fingerprint:
             raise ValueError(f"zero.update (stage 3): the updates' shard plan {grads.layout.shards.fingerprint()} "
                              f"differs from the one zero.init saw ({state.plan_fingerprint!r}): re-run init")
         param_buckets = None
         if params is not None:
+            params = _held(params)[0]
             if _check_global(params, "zero.update (stage 3) params", axis_name, n).layout != grads.layout:
                 raise ValueError(f"zero.update (stage 3): params {params.layout} and updates {grads.layout} "
                                  f"were cut by different plans")
@@ -184,7 +200,7 @@ def _zero3_jit(flat_inner, axis_name: str, n: int, sharded, replicated) -> optax
         buckets = tuple(jax.lax.with_sharding_constraint(x, sharded) for x in grads.buckets)
         new, inner_state = bound(grads).update(buckets, state.inner, param_buckets)
         new = tuple(jax.lax.with_sharding_constraint(x, sharded) for x in new)
-        return ParamShards(new, grads.layout), dataclasses.replace(
+        return put_back(ParamShards(new, grads.layout)), dataclasses.replace(
             state, inner=_shard_state(inner_state, sharded, replicated, n))
 
     return optax.GradientTransformation(init_fn, update_fn)

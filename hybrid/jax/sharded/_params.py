@@ -123,22 +123,27 @@ def shard_params(params, axis_name, *, bucket_cap_bytes: int | None = None, firs
 def refuse_nnx_state(tree, what: str, axis_name, *, mesh: bool = False) -> None:
     """Raise where stage 3 is handed a flax NNX ``nnx.State`` of whole parameters, the one
     ``nnx.Optimizer(model, zero(..., stage=3), wrt=nnx.Param)`` builds its state from, saying why
-    it cannot work and the functional step that does."""
+    it cannot work and what does (:class:`hybrid.jax.ShardedModule`, the functional step)."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None or not isinstance(tree, nnx.State):
         return
     raise TypeError(
         f"{what}: got an nnx.State of the model's whole parameters (as nnx.Optimizer(model, zero(..., "
-        f"stage=3), wrt=nnx.Param) gives it). nnx.Optimizer cannot hold a ZeRO stage-3 model: it steps "
-        f"the module's own nnx.Params, the whole arrays its layers compute with on every device, and "
-        f"writes them back into it, where stage 3 keeps only each device's flat slice of the plan's "
-        f"buckets (ParamShards) and gathers them inside the loss. Step the functional way: graphdef, "
-        f"params = nnx.split(model, nnx.Param); shards = hybrid.jax.shard_params(params, {axis_name!r}"
-        f"{', mesh=mesh' if mesh else ''}) "
-        f"(or hybrid.jax.init_shards); loss = hybrid.jax.gathered(lambda p, *batch: "
-        f"loss_fn(nnx.merge(graphdef, p), *batch)); tx.init(shards) and tx.update(jax.grad(loss)(shards, "
-        f"*batch), state, shards); the trained module is nnx.merge(graphdef, hybrid.jax.unshard_params("
-        f"shards)) (docs/jax-zero.md, 'ZeRO-3 with flax NNX'). nnx.Optimizer works at stages 1 and 2")
+        f"stage=3), wrt=nnx.Param) gives it). nnx.Optimizer cannot step a plain NNX model at ZeRO stage 3: "
+        f"it steps the module's own nnx.Params, the whole arrays its layers compute with on every device, "
+        f"and writes them back into it, where stage 3 keeps only each device's flat slice of the plan's "
+        f"buckets (ParamShards) and gathers them where they are used. "
+        + ("Wrap the model: sharded = hybrid.jax.ShardedModule(model, "
+           f"{axis_name!r}, mesh=mesh) holds its Params as ParamShards and gathers them in its forward; "
+           "nnx.Optimizer(sharded, zero(..., stage=3, mesh=mesh), wrt=nnx.Param) and "
+           "optimizer.update(sharded, nnx.grad(loss)(sharded, ...)) then work. Or s" if mesh else
+           "Under a plain nnx.jit (zero(..., stage=3, mesh=mesh)) hybrid.jax.ShardedModule(model, axis, "
+           "mesh=mesh) holds them so for nnx.Optimizer. Or s")
+        + f"tep the functional way: graphdef, params = nnx.split(model, nnx.Param); shards = "
+        f"hybrid.jax.shard_params(params, {axis_name!r}{', mesh=mesh' if mesh else ''}) (or "
+        f"hybrid.jax.init_shards); loss = hybrid.jax.gathered(lambda p, *batch: loss_fn(nnx.merge(graphdef, "
+        f"p), *batch)); tx.update(jax.grad(loss)(shards, *batch), state, shards); the trained module is "
+        f"nnx.merge(graphdef, hybrid.jax.unshard_params(shards)) (docs/jax-zero.md, 'ZeRO-3 with flax NNX')")
 
 
 def check_local(shards, what: str, axis_name=None) -> ParamShards:
