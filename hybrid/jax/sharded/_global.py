@@ -34,43 +34,72 @@ def global_buckets(layout, shards, tree, sharding) -> tuple:
                  for b in range(layout.plan.num_buckets))
 
 
-def local_buckets(layout, shards, trees, mesh, axis_name: str) -> list:
-    """Each tree's buckets sharded ``P(axis_name)`` (global arrays), each device copying only its own
-    slice: a ``lax.switch`` on its index along the axis picks the branch whose static slices of the
-    members make that device's slice (``FlatShardPlan.shard_range`` over
-    ``hybrid.core.bucket_pieces``). Packing the whole bucket and constraining it to ``P(axis)``
-    gives the same values, but XLA:CPU materialises the whole bucket on every device for it.
-    The trees (gradients and params, of one layout) are sliced in the same branch, so XLA cannot
-    copy the params' slices before the gradients exist (and hold them through the backward).
-    The trees' leaves must be the same on every device (replicated: params, reduced gradients)."""
-    plan = layout.plan
-    num_trees = len(trees)
+def own_slices(plan, shards, members: tuple, rank, *, riders: tuple = (), through=None) -> list:
+    """Device ``rank``'s slice of every bucket of each tree in ``members`` (per tree, a list or dict
+    of ``spec index -> leaf``), copied from the leaves by static slices. Returns, per bucket, a
+    tuple of one slice per tree, then ``through(riders[b])`` where ``riders`` (one array per bucket)
+    are given.
 
-    def branch(b, rank):
-        """Rank ``rank``'s slice of bucket ``b`` from its members: static slices and zero gaps."""
-        start, stop = shards.shard_range(b, rank)
+    One ``lax.switch`` on ``rank`` picks the branch whose static slices of the members
+    (``FlatShardPlan.shard_range`` over ``hybrid.core.bucket_pieces``, zeros for the padding) make
+    that device's slices. Packing the whole bucket and slicing it gives the same values, but
+    XLA:CPU materialises the whole bucket on every device for it. Everything in the one branch
+    happens at one point of the step: the slices are copied only once every rider exists (pass the
+    reduce-scattered gradient slices as riders and the parameters' slices are not copied during
+    the forward and held through the backward), and no bucket's result exists before every
+    bucket's riders (so an in-place update of one bucket's parameters is ordered after the last
+    backward read of them, by another bucket's gradient: XLA needs no defensive copy)."""
+    num_trees = len(members)
+    live = [b for b in range(plan.num_buckets) if shards.shard_sizes[b]]
+
+    def pieces_of(b, r):
+        start, stop = shards.shard_range(b, r)
         pieces, at = [], 0
         for m, k in bucket_pieces(plan, b, length=shards.padded_length(b)):
             lo, hi = max(at, start) - at, min(at + k, stop) - at
             if lo < hi:
                 pieces.append((m, lo, hi))
             at += k
-        dtype = plan.buckets[b].dtype
-        return lambda members: tuple(
-            jnp.concatenate([jnp.zeros((hi - lo,), dtype) if m is None else
-                             members[t][m].reshape(-1)[lo:hi] for m, lo, hi in pieces]) for t in range(num_trees))
+        return pieces
+
+    def branch(r):
+        """Rank ``r``'s slices of every bucket from its members: static slices and zero gaps."""
+        def sliced(ms, extra):
+            out = []
+            for i, b in enumerate(live):
+                dtype = plan.buckets[b].dtype
+                own = tuple(jnp.concatenate([jnp.zeros((hi - lo,), dtype) if m is None else
+                                             ms[t][m].reshape(-1)[lo:hi] for m, lo, hi in pieces_of(b, r)])
+                            for t in range(num_trees))
+                out.append(own + ((through(extra[i]),) if riders else ()))
+            return tuple(out)
+        return sliced
+
+    ms = tuple({m: members[t][m] for b in live for m in plan.buckets[b].members} for t in range(num_trees))
+    extra = tuple(riders[b] for b in live) if riders else ()
+    got = iter(jax.lax.switch(rank, [branch(r) for r in range(shards.world_size)], ms, extra) if live else ())
+    empty = lambda b: jnp.zeros((0,), plan.buckets[b].dtype)
+    return [next(got) if shards.shard_sizes[b] else
+            (empty(b),) * num_trees + ((through(riders[b]),) if riders else ()) for b in range(plan.num_buckets)]
+
+
+def local_buckets(layout, shards, trees, mesh, axis_name: str) -> list:
+    """Each tree's buckets sharded ``P(axis_name)`` (global arrays), each device copying only its own
+    slice (:func:`own_slices`). The trees (gradients and params, of one layout) are sliced in the
+    same branch, so XLA cannot copy the params' slices before the gradients exist (and hold them
+    through the backward). The trees' leaves must be the same on every device (replicated: params,
+    reduced gradients)."""
+    plan = layout.plan
+    num_trees = len(trees)
 
     def run(*flat):
         it = iter(flat)
-        rank = jax.lax.axis_index(axis_name)
-        out = []
-        for b in range(plan.num_buckets):
-            members = tuple({m: next(it) for m in plan.buckets[b].members} for _ in range(num_trees))
-            if shards.shard_sizes[b] == 0:
-                out.append((jnp.zeros((0,), plan.buckets[b].dtype),) * num_trees)
-                continue
-            out.append(jax.lax.switch(rank, [branch(b, r) for r in range(shards.world_size)], members))
-        return tuple(out)
+        members = [dict() for _ in range(num_trees)]
+        for bucket in plan.buckets:
+            for t in range(num_trees):
+                for m in bucket.members:
+                    members[t][m] = next(it)
+        return tuple(own_slices(plan, shards, tuple(members), jax.lax.axis_index(axis_name)))
 
     arrays = [layout.spec_arrays(tree) for tree in trees]
     flat_members = [a[m] for bucket in plan.buckets for a in arrays for m in bucket.members]

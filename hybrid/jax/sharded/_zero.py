@@ -15,6 +15,7 @@ from hybrid.core import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_CAP_BYTES
 from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kernels
 from hybrid.jax._elementwise import NON_ELEMENTWISE
 from hybrid.jax.sharded._on_shards import on_shards
+from hybrid.jax.sharded._global import own_slices
 from hybrid.jax.sharded._params import local_slices
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device
 from hybrid.jax.sharded._axis_aware import axis_aware
@@ -171,18 +172,26 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
         rank = jax.lax.axis_index(axis_name)
         cuda = use_kernels(copy_backend)
         arrays = layout.spec_arrays(updates)
-        grad_shards = []
+        reduced = []
         for b in range(layout.plan.num_buckets):
             flat = pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=cuda)
-            shard = _reduce_scatter(flat, axis_name)  # both stages: see _reduce_scatter
-            grad_shards.append(shard / n if mean else shard)
+            reduced.append(_reduce_scatter(flat, axis_name))  # both stages: see _reduce_scatter
+        scale = (lambda shard: shard / n) if mean else (lambda shard: shard)
         param_shards = None
-        if params is not None:
+        if params is None:
+            grad_shards = [scale(shard) for shard in reduced]
+        else:
             param_layout = layout_of(params, "zero.update params")
             if param_layout.plan != layout.plan:
                 raise ValueError("zero.update: params and updates must be trees of the same names, "
                                  "shapes and dtypes")
-            param_shards = local_slices(param_layout, shards, params, rank, cuda)
+            # This device's slices of the params only (no whole param bucket), in one branch with
+            # the reduced gradients: copied after the backward (not held through it), and every
+            # bucket's update after all of the backward (see own_slices).
+            sliced = own_slices(layout.plan, shards, (param_layout.spec_arrays(params),), rank,
+                                riders=tuple(reduced), through=scale)
+            param_shards = tuple(t[0] for t in sliced)
+            grad_shards = [t[1] for t in sliced]
         with on_shards(axis_name):
             new_shards, inner_state = flat_inner(updates, layout, shards, rank).update(
                 tuple(grad_shards), state.inner, param_shards)
