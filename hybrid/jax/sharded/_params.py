@@ -24,6 +24,7 @@ from hybrid.core import BucketPlan, FlatShardPlan, ParamPairing, bucket_pieces, 
 from hybrid.jax._copy import check_backend, pack_bucket, use_kernels
 from hybrid.jax._specs import _Layout, axis_size, check_caps
 from hybrid.jax.sharded._global import check_mesh, gather_global, global_buckets, mesh_of, per_device_mean
+from hybrid.jax.sharded._xla_flags import cse_merges_regathers, split_bucket
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -210,7 +211,7 @@ def gather_params(shards: ParamShards):
         # bench jax, 32 members per bucket: CPU time per step 5.5x stage 2's with slices, under 2x
         # with the split; see docs/jax-zero.md).
         pieces = bucket_pieces(plan, b, length=full.shape[0])
-        for (m, _), part in zip(pieces, jax.lax.split(full, [n for _, n in pieces])):
+        for (m, _), part in zip(pieces, split_bucket(full, [n for _, n in pieces], lay.axis_name)):
             if m is not None:
                 per_spec[m] = part.reshape(plan.specs[m].shape)
     return lay.layout.unflatten(per_spec)
@@ -240,7 +241,9 @@ def gathered(fun, *, argnums: int = 0, reshard_after_forward: bool = True):
     the forward's gather and the reduce-scatter, 1.5x DDP's volume). ``False`` keeps the forward's
     gathered parameters for the backward (DDP's volume; every bucket held from its forward use to
     its backward). Either way XLA has the last word: a compiler that merges the two identical
-    gathers keeps the parameters, as XLA:CPU does (see docs/jax-zero.md, "ZeRO-3").
+    gathers keeps the parameters, as XLA:CPU does (see docs/jax-zero.md, "ZeRO-3"); there, unless
+    ``XLA_FLAGS`` disables its ``cse`` pass, no checkpoint is made (it would only split each bucket
+    twice: ``hybrid.jax.sharded._xla_flags``).
 
     Given global ParamShards outside ``shard_map`` (a plain ``jax.jit``, ``zero(..., mesh=mesh)``)
     it runs ``fun`` per device in a ``shard_map`` of its own: every other positional array split
@@ -269,7 +272,12 @@ def gathered(fun, *, argnums: int = 0, reshard_after_forward: bool = True):
         args[argnums] = gather_params(args[argnums])
         return fun(*args, **kwargs)
 
-    local = jax.checkpoint(on_shards, policy=regather_policy) if reshard_after_forward else on_shards
+    regathered = jax.checkpoint(on_shards, policy=regather_policy) if reshard_after_forward else on_shards
+
+    def local(*args, **kwargs):
+        # Where XLA would merge the backward's gathers with the forward's (XLA:CPU's CSE), asking
+        # for them only recomputes the split: the gathered parameters twice (see _xla_flags).
+        return (on_shards if cse_merges_regathers() else regathered)(*args, **kwargs)
 
     @functools.wraps(fun)
     def loss_of_shards(*args, **kwargs):

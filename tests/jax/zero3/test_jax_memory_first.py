@@ -60,9 +60,11 @@ def test_memory_first_flags_keep_one_layer_gathered(runs):
     share = params / DEVICES  # this device's float32 gradient slices, alive until Adam's update
     print({k: round(v / MiB, 2) for k, v in default.items() if k.endswith(("temp", "held"))},
           {k: round(v / MiB, 2) for k, v in memory_first.items() if k.endswith(("temp", "held"))})
-    # XLA:CPU's default (docs/jax-zero.md, "ZeRO-3"): every bucket gathered and every full gradient
-    # alive at once, twice the model whatever the device count; pinned so a change in XLA shows.
-    assert default["step_temp"] >= 2 * params
+    # XLA:CPU's default (docs/jax-zero.md, "ZeRO-3"): every bucket gathered at the step's start and
+    # kept to the backward (its CSE merges the regathers), the model once whatever the device
+    # count; no longer twice since each gathered bucket is split in a conditional (its copies free
+    # the bucket: 16.1 -> 10.4 MiB here). Pinned both ways so a change in XLA or in hybrid shows.
+    assert params <= default["step_temp"] < 1.5 * params, default
     # The flags: the gradient share, one layer's gathered weight and its full gradient, and
     # activations (32 x 512 float32 per layer and device: 64 KiB each; 0.5 MiB allowed).
     assert memory_first["step_temp"] <= share + 2 * layer + MiB / 2, memory_first

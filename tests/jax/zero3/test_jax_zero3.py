@@ -164,22 +164,26 @@ def _lowered_counts(reshard_after_forward):
     return counts, sum(1 for b in shards.buckets if b.shape[0]), compiled
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_collectives_per_bucket(reshard_after_forward):
+@pytest.mark.parametrize("reshard_after_forward,cse_merges", [(True, False), (True, True), (False, False)])
+def test_collectives_per_bucket(reshard_after_forward, cse_merges, monkeypatch):
     # What JAX hands XLA: an all-gather per bucket in the forward, a reduce-scatter per bucket, no
     # all-reduce (the update itself communicates nothing), nothing for an empty bucket; and with
-    # reshard_after_forward, the backward gathers again each bucket whose parameters it reads.
-    # This loss's backward reads one: layer 1's (its weight, for the hidden activations'
-    # gradient). Layer 0's weight multiplies only the input, which is not differentiated, and
-    # for scale ** 2 JAX computes the derivative 2 * scale in the forward and keeps that.
+    # reshard_after_forward, where the compiler keeps the regathers apart (XLA:CPU with its cse pass
+    # disabled, as use_memory_first_xla_cpu does; other backends: cse_merges False), the backward
+    # gathers again each bucket whose parameters it reads. This loss's backward reads one: layer
+    # 1's (its weight, for the hidden activations' gradient). Layer 0's weight multiplies only the
+    # input, which is not differentiated, and for scale ** 2 JAX computes the derivative 2 * scale
+    # in the forward and keeps that. Where XLA:CPU's CSE would merge them (its default), gathered
+    # asks for no regather: it would only split the gathered bucket twice.
+    monkeypatch.setattr(hj.sharded._params, "cse_merges_regathers", lambda: cse_merges)
     counts, nonempty, compiled = _lowered_counts(reshard_after_forward)
     # zero3_plan in leaf order (a bias before its weight, so layer 1's bias shares a bucket with
     # layer 0's weight): three float32 buckets, and the bf16 one.
     assert nonempty == 4
     # The backward packs each bucket's gradient with one concatenate (the transpose of
     # gather_params' split), never a bucket-sized pad per member (the transpose of slices).
-    assert counts == {"all_reduce": 0, "reduce_scatter": nonempty,
-                      "all_gather": nonempty + (1 if reshard_after_forward else 0), "pad": 0}
+    regathers = 1 if reshard_after_forward and not cse_merges else 0
+    assert counts == {"all_reduce": 0, "reduce_scatter": nonempty, "all_gather": nonempty + regathers, "pad": 0}
     # XLA:CPU drops optimization barriers and merges the backward's gathers with the forward's
     # identical ones: on host devices the compiled step gathers once per bucket either way
     # (docs/jax-zero.md says so; this pins it, so a change in XLA shows here).
