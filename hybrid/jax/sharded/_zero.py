@@ -16,6 +16,7 @@ from hybrid.jax._copy import check_backend, pack_bucket, unpack_bucket, use_kern
 from hybrid.jax._elementwise import NON_ELEMENTWISE
 from hybrid.jax.sharded._on_shards import on_shards
 from hybrid.jax.sharded._global import own_slices
+from hybrid.jax.sharded._xla_flags import on_xla_cpu
 from hybrid.jax.sharded._params import local_slices
 from hybrid.jax._specs import _Layout, axis_size, check_caps, check_per_device, check_state_per_device
 from hybrid.jax.sharded._axis_aware import axis_aware
@@ -177,21 +178,22 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
             flat = pack_bucket(layout.plan, b, arrays, length=shards.padded_length(b), cuda=cuda)
             reduced.append(_reduce_scatter(flat, axis_name))  # both stages: see _reduce_scatter
         scale = (lambda shard: shard / n) if mean else (lambda shard: shard)
-        param_shards = None
-        if params is None:
-            grad_shards = [scale(shard) for shard in reduced]
-        else:
+        param_shards, grad_shards = None, [scale(shard) for shard in reduced]
+        if params is not None:
             param_layout = layout_of(params, "zero.update params")
             if param_layout.plan != layout.plan:
                 raise ValueError("zero.update: params and updates must be trees of the same names, "
                                  "shapes and dtypes")
-            # This device's slices of the params only (no whole param bucket), in one branch with
-            # the reduced gradients: copied after the backward (not held through it), and every
-            # bucket's update after all of the backward (see own_slices).
-            sliced = own_slices(layout.plan, shards, (param_layout.spec_arrays(params),), rank,
-                                riders=tuple(reduced), through=scale)
-            param_shards = tuple(t[0] for t in sliced)
-            grad_shards = [t[1] for t in sliced]
+            if on_xla_cpu():
+                # This device's slices of the params only (no whole param bucket), in one branch
+                # with the reduced gradients: copied after the backward (not held through it), and
+                # every bucket's update after all of the backward (see own_slices). XLA:CPU only:
+                # a GPU's conditional reads its predicate back to the host (not measured there).
+                sliced = own_slices(layout.plan, shards, (param_layout.spec_arrays(params),), rank,
+                                    riders=tuple(reduced), through=scale)
+                param_shards, grad_shards = tuple(t[0] for t in sliced), [t[1] for t in sliced]
+            else:
+                param_shards = local_slices(param_layout, shards, params, rank, cuda)
         with on_shards(axis_name):
             new_shards, inner_state = flat_inner(updates, layout, shards, rank).update(
                 tuple(grad_shards), state.inner, param_shards)
