@@ -184,3 +184,18 @@ def test_stages_give_identical_results():
     for a, b in zip(jax.tree_util.tree_leaves(run_shard_map("adam", 1, 4)),
                     jax.tree_util.tree_leaves(run_shard_map("adam", 2, 4)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sum_instead_of_mean():
+    # mean=False: the devices' gradients summed, not averaged, through the same path (params
+    # given, so the parameters' slices are taken beside the reduced gradients). sgd(1.0) returns
+    # -sum exactly but for the reduce-scatter's order of 4 float32 additions: rtol 1e-6.
+    n, params = 4, make_params()
+    grads = jax.tree.map(lambda p: np.random.default_rng(p.size).normal(size=(n, *p.shape)).astype(np.float32),
+                         params)
+    tx = hj.zero(optax.sgd(1.0), "dp", stage=2, mean=False, **CAPS)
+    rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), params)
+    updates = jax.pmap(lambda g, p: tx.update(g, tx.init(p), p)[0], axis_name="dp")(grads, rep)
+    for got, g in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(grads), strict=True):
+        for device in range(n):  # every device gets the whole update
+            np.testing.assert_allclose(np.asarray(got[device]), -g.sum(0), rtol=1e-6, atol=1e-6)

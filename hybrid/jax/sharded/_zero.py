@@ -189,8 +189,11 @@ def zero(inner: optax.GradientTransformation, axis_name, *, stage: int = 1,
                 # with the reduced gradients: copied after the backward (not held through it), and
                 # every bucket's update after all of the backward (see own_slices). XLA:CPU only:
                 # a GPU's conditional reads its predicate back to the host (not measured there).
+                # The gradients pass through by an operation: an identity would be forwarded out of
+                # the conditional, and the ordering with it (max(x, x) is x, NaN and -0 included).
+                through = scale if mean else (lambda shard: jnp.maximum(shard, shard))
                 sliced = own_slices(layout.plan, shards, (param_layout.spec_arrays(params),), rank,
-                                    riders=tuple(reduced), through=scale)
+                                    riders=tuple(reduced), through=through)
                 param_shards, grad_shards = tuple(t[0] for t in sliced), [t[1] for t in sliced]
             else:
                 param_shards = local_slices(param_layout, shards, params, rank, cuda)
