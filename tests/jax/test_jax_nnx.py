@@ -190,11 +190,12 @@ def test_nnx_optimizer_zero_under_plain_jit(stage, jit):
     assert int(optimizer.step[...]) == STEPS
 
 
-def test_nnx_optimizer_stage3_on_a_sharded_module():
+def test_nnx_optimizer_stage3_on_a_sharded_module(tmp_path):
     """nnx.Optimizer(ShardedModule(model), zero(chain, "dp", stage=3, mesh=MESH)) and
     optimizer.update(sharded, nnx.grad(loss)(sharded, ...)) in a plain nnx.jit: the model's Params
     held as ParamShards (1/4 of every bucket per device), equal to the unsharded nnx.Optimizer
-    (RTOL, ATOL above; the gradient reduce-scattered per bucket, another order again). The
+    (RTOL, ATOL above; the gradient reduce-scattered per bucket, another order again), and saved and
+    loaded as stage 3's ParamShards and state, bit for bit. The
     compiled step: one all-gather and one reduce-scatter per bucket (XLA:CPU merges the backward's
     gather with the forward's), nothing else (a step that returns the loss adds an all-reduce of
     its scalar sum)."""
@@ -221,6 +222,20 @@ def test_nnx_optimizer_stage3_on_a_sharded_module():
         step(sharded, optimizer, *batch(i))
     _close(nnx.to_pure_dict(nnx.state(sharded.unsharded(), nnx.Param)), _reference())
     assert int(optimizer.step[...]) == STEPS
+
+    # its checkpoint: the ParamShards and the optimizer's ZeroState, as at stage 3, into a fresh pair
+    from hybrid.checkpoint import jax as ckpt_jax
+    shards = sharded.shards.get_value()
+    ckpt_jax.save(tmp_path / "sharded", shards, optimizer.opt_state, step=STEPS, stage=3)
+    fresh = hj.ShardedModule(NNXGPT(CONFIG, rngs=nnx.Rngs(1)), AXIS, mesh=MESH, **caps)
+    fresh_optimizer = nnx.jit(lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param))(fresh)
+    loaded, state, at = ckpt_jax.load(tmp_path / "sharded", fresh.shards.get_value(), fresh_optimizer.opt_state)
+    assert at == STEPS
+    fresh.shards.set_value(loaded)
+    nnx.update(fresh_optimizer.opt_state, nnx.state(state))
+    for a, b in zip(jax.tree.leaves((shards, nnx.state(optimizer.opt_state))),
+                    jax.tree.leaves((fresh.shards.get_value(), nnx.state(fresh_optimizer.opt_state))), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("mesh", [MESH, None], ids=["jit", "shard_map"])
