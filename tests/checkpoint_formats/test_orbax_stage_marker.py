@@ -106,7 +106,8 @@ def test_an_untagged_state_both_plans_fit_is_refused_until_its_stage_is_named(tm
     """A stage-3 state saved before plan_tag, beside whole params: the stages 1-2 and stage 3 plans
     fit its lengths alike and place the parameters differently, so neither is guessed; the error
     (open_checkpoint, load and checkpoint info alike) names the leaf, both plans with their caps,
-    and zero_stage, with which it loads as the plain optax oracle (TOL: the module's note)."""
+    and zero_stage, with which it loads (and converts) as the plain optax oracle (TOL: the module's
+    note)."""
     (zparams, zstate), (pparams, pstate) = _runs()
     old = str(tmp_path / "old")
     _save_untagged(old, hj.unshard_params(zparams), zstate)
@@ -131,6 +132,10 @@ def test_an_untagged_state_both_plans_fit_is_refused_until_its_stage_is_named(tm
     assert not np.allclose(misread.inner[0].mu[0], want.inner[0].mu[0], **TOL)
     assert main(["checkpoint", "info", old, "--zero-stage", "3"]) == 0
     assert "recognised by zero_stage=3 (no plan_tag saved)" in capsys.readouterr().out
+    converted = str(tmp_path / "converted")  # convert takes it too, into hybrid's format, read as above
+    assert main(["checkpoint", "convert", old, converted, "--to", "hybrid", "--world-size", "2", "--zero-stage", "3"]) == 0
+    _, again, _ = ckpt_jax.load(converted, params, state)
+    jax.tree.map(np.testing.assert_array_equal, again.inner, got.inner)
 
 
 @pytest.mark.parametrize("model", ["one plan fits", "plans lay it out alike"])
