@@ -342,9 +342,11 @@ def test_stage3_on_nnx_state_equals_optax():
     shards = jax.jit(jax.shard_map(lambda p: hj.shard_params(p, AXIS), mesh=MESH, in_specs=P(),
                                    out_specs=P(AXIS)))(params)
     born = hj.init_shards(lambda: nnx.split(_model(), nnx.Param)[1], mesh=MESH, axis_name=AXIS)
-    assert born.layout == shards.layout
-    for a, b in zip(born.buckets, shards.buckets):
+    held = hj.ShardedModule(_model, AXIS, mesh=MESH).shards.get_value()  # given the function: born sharded alike
+    assert born.layout == shards.layout == held.layout
+    for a, b, c in zip(born.buckets, shards.buckets, held.buckets, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(b))
     trained, _ = _stage3_run(born)
     assert isinstance(trained, nnx.State)
     _close(nnx.to_pure_dict(trained), _reference())

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from hybrid.jax.sharded._global import batch_specs, check_mesh
+from hybrid.jax.sharded._init import init_shards
 from hybrid.jax.sharded._params import ParamShards, gathered, shard_params, unshard_params
 
 
@@ -41,7 +42,9 @@ class ShardedModule(nnx.Module):
     Args:
       model: an NNX module whose only variables are ``nnx.Param``s (a forward that updates other
         variables, batch statistics or dropout RNG counts, cannot write them back from inside the
-        per-device ``shard_map``: refused).
+        per-device ``shard_map``: refused); or a function of no arguments that makes one, which is
+        then born sharded (:func:`hybrid.jax.init_shards`: each device computes its share of the
+        init, no device holds the whole model).
       axis_name: the mesh axis the shards and the batch are split over.
       mesh: the ``jax.sharding.Mesh``.
       reshard_after_forward: gather the parameters again in the backward (FSDP's default) rather
@@ -66,6 +69,12 @@ class ShardedModule(nnx.Module):
     def __init__(self, model: nnx.Module, axis_name: str, *, mesh, reshard_after_forward: bool = True,
                  **plan_options):
         check_mesh(mesh, axis_name, "ShardedModule")
+        make = None if isinstance(model, nnx.Module) else model
+        if make is not None:
+            if not callable(make):
+                raise TypeError(f"ShardedModule: model must be an nnx.Module or a function making one, got "
+                                f"{type(model).__name__}")
+            model = nnx.eval_shape(make)  # shapes only: the graph and what it holds
         other = nnx.state(model, nnx.Not(nnx.Param))
         if jax.tree.leaves(other):
             names = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(other)]
@@ -75,7 +84,9 @@ class ShardedModule(nnx.Module):
                              f"statistics, RNG counts) back; it takes models whose only variables are Params")
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.axis_name, self.mesh, self.reshard_after_forward = axis_name, mesh, reshard_after_forward
-        self.shards = nnx.Param(shard_params(params, axis_name, mesh=mesh, **plan_options))
+        self.shards = nnx.Param(shard_params(params, axis_name, mesh=mesh, **plan_options) if make is None else
+                                init_shards(lambda: nnx.split(make(), nnx.Param)[1], mesh=mesh, axis_name=axis_name,
+                                            **plan_options))
 
     def __call__(self, *args):
         axis = self.axis_name
