@@ -25,6 +25,8 @@ SCRIPT = textwrap.dedent("""
     from hybrid.torch import _lazy_dynamo
     late = [m for m in sys.modules if m == "torch._dynamo" or m.startswith(("torch._dynamo.", "torch._inductor"))]
     assert not late, late
+    # nor torch.distributed.optim (FSDP, DTensor and sympy behind it): ZeroRedundancyOptimizer imports it when built
+    assert "torch.distributed.optim" not in sys.modules and "torch.distributed.fsdp" not in sys.modules
 
     torch.set_num_threads(1)
     store = tempfile.TemporaryDirectory()

@@ -1,6 +1,7 @@
 """Input errors: same exception type and text as torch's ZeroRedundancyOptimizer.
 
-Both classes check their input before touching a process group, so no world is needed.
+Both classes check their input before touching a process group, so no world is needed (but for
+the functional-optimizer check, which torch makes after finding the default group).
 """
 
 import pytest
@@ -39,3 +40,20 @@ def test_input_errors_match_torch(case):
     ours, theirs = _error(ZeroRedundancyOptimizer, BAD_INPUTS[case]()), _error(TorchZero, BAD_INPUTS[case]())
     assert ours == theirs
 
+
+
+def test_a_functional_optimizer_without_overlap_is_refused_as_torch_does():
+    """The check hybrid imports torch.distributed.optim for on construction only (not at ``import
+    hybrid.torch``): a functional optimizer class without ``overlap_with_ddp``. torch checks it
+    after finding the default group, so this one needs a (one-rank) group."""
+    from torch.distributed.optim.functional_adam import _FunctionalAdam
+
+    from tests.torch.test_ddp_kernels import single_rank_group
+
+    def error(cls):
+        with pytest.raises(ValueError) as info:
+            cls([_p(3)], _FunctionalAdam, lr=0.1)
+        return str(info.value)
+    with single_rank_group("gloo"):
+        ours, theirs = error(ZeroRedundancyOptimizer), error(TorchZero)
+    assert ours == theirs and "Passing in a functional optimizer" in ours
