@@ -43,9 +43,8 @@ def test_input_errors_match_torch(case):
 
 
 def test_a_functional_optimizer_without_overlap_is_refused_as_torch_does():
-    """The check hybrid imports torch.distributed.optim for on construction only (not at ``import
-    hybrid.torch``): a functional optimizer class without ``overlap_with_ddp``. torch checks it
-    after finding the default group, so this one needs a (one-rank) group."""
+    """A functional optimizer class without ``overlap_with_ddp``. torch checks it after finding
+    the default group, so this one needs a (one-rank) group."""
     from torch.distributed.optim.functional_adam import _FunctionalAdam
 
     from tests.torch.test_ddp_kernels import single_rank_group

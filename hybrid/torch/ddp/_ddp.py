@@ -23,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from hybrid.core import BucketPlan
-from hybrid.torch import _lazy_dynamo as lazy_dynamo
 from hybrid.torch._collectives import naming
 from hybrid.torch.ddp import _forward  # torch.compile(ddp) splits graphs there (hybrid.torch.dynamo)
 from hybrid.torch.ddp._args import bucket_layout, buffer_sync_flags, check_torch_args, module_device, process_group_for
@@ -186,7 +185,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._mixed.post_forward()
         return self._post_forward(out, grad_sync)
 
-    @lazy_dynamo.disable   # torch.compiler.disable, applied once torch._dynamo is imported
+    @torch.compiler.disable
     def _pre_forward(self) -> bool:
         # The order of collectives below is torch's _pre_forward's; a joined rank's _JoinHook
         # issues the matching ones in the same order.
@@ -207,7 +206,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._ranks.backward_sync_flag(self.require_backward_grad_sync, joined=False)
         return grad_sync
 
-    @lazy_dynamo.disable   # torch.compiler.disable, applied once torch._dynamo is imported
+    @torch.compiler.disable
     def _post_forward(self, out, grad_sync: bool):
         """The output as the caller gets it; with find_unused_parameters, through torch's sink."""
         # A POST_FORWARD buffer hook; decided, as torch, by the previous forward's sync flag.

@@ -31,11 +31,11 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._dynamo
 from torch import fx, nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
 from hybrid.core import GraphSplitPlan, TensorSpec, canonical_dtype, merge_piece, plan_graph_split, split_size_limits
-from hybrid.torch import _lazy_dynamo as lazy_dynamo
 from hybrid.torch.ddp import DistributedDataParallel, _forward
 
 log = logging.getLogger("hybrid.torch.compile")
@@ -79,7 +79,6 @@ class SplitReport:
 
 def _lookup(backend):
     if isinstance(backend, str):
-        import torch._dynamo
         return torch._dynamo.lookup_backend(backend)
     if not callable(backend):
         raise TypeError(f"backend must be a name or a callable (gm, example_inputs), got {backend!r}")
@@ -248,7 +247,7 @@ def _forward_module(ddp, inputs, kwargs):
     return _entry(ddp, callback)(ddp.module, inputs, kwargs)
 
 
-@lazy_dynamo.disable   # torch._dynamo.disable, applied once torch._dynamo is imported
+@torch._dynamo.disable
 def _entry(ddp, callback):
     """The callable that runs ``ddp.module`` under ``callback``, built on the first call.
 
@@ -299,7 +298,7 @@ def _own_code(fn):
 # once. torch.compiler.disable(recursive=False) would not do: it skips the frame
 # with apply_to_code=False, so dynamo's callback (and counters["frames"]["total"]) is entered on
 # every call, which reads as one compile per step (torch 2.13).
-forward_module = lazy_dynamo.skip(_forward_module)   # once torch._dynamo is imported
+forward_module = torch._dynamo.decorators.skip(_forward_module)
 _forward.install(forward_module)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
 from hybrid.core import ParamPartition, partition_params, plan_buckets
@@ -93,10 +94,6 @@ class ZeroRedundancyOptimizer(ConsolidatedState, Optimizer, Joinable):
         _check_same_dense_type(all_params)
         # overlap_with_ddp: the step runs inside DDP's backward (hybrid.torch.hook_with_zero_step).
         self._overlap_with_ddp = bool(overlap_with_ddp)
-        # Imported here: torch.distributed.optim pulls in FSDP and DTensor (~0.75 s of CPU), which a
-        # rank that never builds a ZeroRedundancyOptimizer should not pay at `import hybrid.torch`.
-        from torch.distributed.optim.utils import functional_optim_map
-
         if optimizer_class in functional_optim_map.values():
             raise ValueError(f"Passing in a functional optimizer {optimizer_class} "
                              "when `overlap_with_ddp=False`")

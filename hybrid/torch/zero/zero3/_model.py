@@ -23,7 +23,6 @@ from torch.utils._pytree import tree_map
 
 from hybrid.core import (BucketPlan, FlatShardPlan, TensorSpec, canonical_dtype, shard_flat, zero3_group_plan,
                          zero3_plan)
-from hybrid.torch import _lazy_dynamo as lazy_dynamo
 from hybrid.torch._call_guard import CallGuard
 from hybrid.torch.ddp._parts import _reduced_parameters
 from hybrid.torch.zero.zero3._grads import GradReducer
@@ -77,7 +76,7 @@ def _begin_forward_seen(model: "ZeRO3", args: tuple, kwargs: dict) -> tuple[tupl
 
 # dynamo skips this frame, not the frames it calls (as hybrid.torch.dynamo's forward_module): a
 # traced ZeRO3.forward graph-breaks here, and the frame sees whether a compile is running.
-_begin_forward = lazy_dynamo.skip(_begin_forward_seen)   # once torch._dynamo is imported
+_begin_forward = torch._dynamo.decorators.skip(_begin_forward_seen)
 
 
 class ZeRO3(nn.Module):
@@ -280,7 +279,7 @@ class ZeRO3(nn.Module):
             raise
         return self._end_forward(out)
 
-    @lazy_dynamo.disable   # torch._dynamo.disable, applied once torch._dynamo is imported
+    @torch._dynamo.disable
     def _begin_forward_eagerly(self, args: tuple, kwargs: dict, whole_compiled: bool) -> tuple[tuple, dict]:
         self._guard.enter("forward")
         self._grads.abandon_unfinished()
@@ -294,7 +293,7 @@ class ZeRO3(nn.Module):
         self._schedule.begin_forward()
         return args, kwargs
 
-    @lazy_dynamo.disable   # torch._dynamo.disable, applied once torch._dynamo is imported
+    @torch._dynamo.disable
     def _end_forward(self, out: Any) -> Any:
         out = self._schedule.end_forward(out)
         return _cast(out, getattr(self._mp, "output_dtype", None))

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from hybrid.torch import _lazy_dynamo as lazy_dynamo
 from hybrid.torch.zero._clip import clip_grad_norm_
 from hybrid.torch.zero._parts import grads_on_masters, resolve_groups, run_closure
 from hybrid.torch.zero._zero2_state import ShardedState
@@ -84,7 +83,7 @@ class ZeRO3Optimizer(ShardedState, Optimizer):
     def __init__(self, module: ZeRO3, optimizer_class: type[Optimizer],
                  param_groups: Iterable[dict[str, Any]] | None = None, *, step_in_backward: bool = False,
                  offload_dir: str | os.PathLike | None = None, **defaults: Any):
-        if lazy_dynamo.is_compiled_module(module):
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
             module = module._orig_mod  # torch.compile(model): the ZeRO3 model it runs
         if not isinstance(module, ZeRO3):
             raise TypeError(f"ZeRO3Optimizer needs a hybrid.torch.ZeRO3 model, got {type(module).__name__}")

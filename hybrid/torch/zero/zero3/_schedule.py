@@ -39,17 +39,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hybrid.core import BucketPlan, forward_order
-from hybrid.torch import _lazy_dynamo as lazy_dynamo
 from hybrid.torch.zero.zero3._grads import GradReducer
 from hybrid.torch.zero.zero3._params import READY, ParamBuckets
 from hybrid.torch.zero.zero3._units import select_units
 
 
-def _eager_hook(register, hook, **kwargs):
-    """``hook`` registered to run by dynamo as a graph break, never traced (FSDP2's hooks under
-    ``torch._dynamo.config.skip_fsdp_hooks``): it issues collectives and swaps parameters. Wrapped
-    by ``torch._dynamo.disable`` now, or once ``torch._dynamo`` is imported (``_lazy_dynamo``)."""
-    return lazy_dynamo.register_disabled_hook(register, hook, **kwargs)
+def _eager(fn):
+    """``fn`` run by dynamo as a graph break, never traced (FSDP2's hooks under
+    ``torch._dynamo.config.skip_fsdp_hooks``): it issues collectives and swaps parameters."""
+    return torch._dynamo.disable(fn, recursive=True)
 
 
 def _members(unit: nn.Module, units: set[int]) -> list[nn.Module]:
@@ -140,9 +138,9 @@ class Schedule:
             for b in bs:
                 self._users[b].add(u)
             # Graph breaks under torch.compile: dynamo runs the hooks, never traces them.
-            self._handles.append(_eager_hook(u.register_forward_pre_hook, self._pre_forward))
+            self._handles.append(u.register_forward_pre_hook(_eager(self._pre_forward)))
             # always_call: a module that raises still gives its parameters back and closes its session.
-            self._handles.append(_eager_hook(u.register_forward_hook, self._post_forward, always_call=True))
+            self._handles.append(u.register_forward_hook(_eager(self._post_forward), always_call=True))
 
     def _set_order(self, order: tuple[int, ...]) -> None:
         self.order = order
