@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from hybrid.checkpoint import FORMATS, CheckpointError, convert, open_checkpoint
+from hybrid.checkpoint import FORMATS, CheckpointError, convert, detect_format, open_checkpoint
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -134,9 +134,15 @@ def _numel(shape) -> int:
 
 def run(args) -> int:
     options = dict(format=args.source_format, step=args.step)
-    if args.zero_stage is not None:  # the orbax reader's option; other formats' readers take none
-        options["zero_stage"] = args.zero_stage
     try:
+        if args.zero_stage is not None:  # the orbax reader's option; other formats' readers take none
+            source = args.path if args.action == "info" else args.src
+            found = args.source_format or detect_format(source)
+            if found != "orbax":
+                print(f"--zero-stage is for an orbax save of hybrid.jax.zero's state; {source} holds a {found} "
+                      f"checkpoint", file=sys.stderr)
+                return 2
+            options["zero_stage"] = args.zero_stage
         if args.action == "info":
             d = describe(open_checkpoint(args.path, **options))
             print(json.dumps(d, indent=1)) if args.json else _print_info(d)

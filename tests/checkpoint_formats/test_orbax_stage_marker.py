@@ -136,6 +136,10 @@ def test_an_untagged_state_both_plans_fit_is_refused_until_its_stage_is_named(tm
     assert main(["checkpoint", "convert", old, converted, "--to", "hybrid", "--world-size", "2", "--zero-stage", "3"]) == 0
     _, again, _ = ckpt_jax.load(converted, params, state)
     jax.tree.map(np.testing.assert_array_equal, again.inner, got.inner)
+    capsys.readouterr()
+    assert main(["checkpoint", "info", converted, "--zero-stage", "3"]) == 2  # orbax's option alone
+    assert f"--zero-stage is for an orbax save of hybrid.jax.zero's state; {converted} holds a hybrid" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["one plan fits", "plans lay it out alike"])
