@@ -56,3 +56,30 @@ def test_a_functional_optimizer_without_overlap_is_refused_as_torch_does():
     with single_rank_group("gloo"):
         ours, theirs = error(ZeroRedundancyOptimizer), error(TorchZero)
     assert ours == theirs and "Passing in a functional optimizer" in ours
+
+
+@pytest.mark.parametrize("flag, checks", [(None, 1), (True, 1), (False, 0)])
+def test_the_per_step_cross_rank_check_is_one_all_reduce_and_can_be_left_out(flag, checks, monkeypatch):
+    """``step()``'s cross-rank check is the only all-reduce a step issues: on CPU parameters it
+    runs by default; ``check_ranks_each_step=False`` leaves it out (what the default does on a GPU,
+    where reading it waits for the backward) and the step's result is the same. One rank."""
+    import torch.distributed as dist
+
+    from tests.torch.test_ddp_kernels import single_rank_group
+
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    with single_rank_group("gloo"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, check_ranks_each_step=flag, lr=0.1)
+        reference = torch.optim.SGD([p.detach().clone().requires_grad_() for p in model.parameters()], lr=0.1)
+        for p, q in zip(model.parameters(), reference.param_groups[0]["params"]):
+            p.grad = q.grad = torch.ones_like(p)
+        calls.clear()  # the constructor's check always runs
+        opt.step()
+        reference.step()
+        assert len(calls) == checks, calls
+        for p, q in zip(model.parameters(), reference.param_groups[0]["params"]):
+            assert torch.equal(p, q)  # same update either way: the check reads, never writes
