@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._xla import host_flags
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
@@ -108,7 +110,7 @@ def join_jax_job(local_devices: int):
     ``jax.distributed.initialize``. Call first thing in the worker, before anything imports jax
     (the device count is read when jax starts); returns the jax module."""
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    os.environ["XLA_FLAGS"] = host_flags(local_devices)  # compiled as the suite's own process compiles
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

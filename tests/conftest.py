@@ -2,8 +2,11 @@
 
 import os
 
-# Four host CPU devices for JAX multi-device tests; must be set before jax is first imported.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Four host CPU devices for JAX multi-device tests, compiled with XLA:CPU's quick code generation
+# (tests/_xla.py says why); must be set before jax is first imported.
+from tests._xla import host_flags  # noqa: E402 - imports nothing
+
+os.environ.setdefault("XLA_FLAGS", host_flags(4))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Exact float32 matmuls on CPU so that comparisons against the oracles are meaningful.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")

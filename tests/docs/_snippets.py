@@ -34,6 +34,8 @@ import tempfile
 import threading
 import time
 
+from tests._xla import host_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -133,7 +135,7 @@ def blocks(page: pathlib.Path, launched: list | None = None):
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": host_flags(4), "JAX_PLATFORMS": "cpu",
             "OMP_NUM_THREADS": "1"}
 
 

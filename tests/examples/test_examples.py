@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests._xla import QUICK_CODEGEN_FLAGS
+
 import numpy as np
 import pytest
 
@@ -35,7 +37,8 @@ TIMEOUT_S = 150
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets its own
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = QUICK_CODEGEN_FLAGS  # the example adds its device count; compiled as this process compiles
     env["PYTHONPATH"] = str(ROOT)
     env["JAX_PLATFORMS"] = "cpu"
     return env

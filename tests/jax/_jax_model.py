@@ -15,11 +15,10 @@ CAPS = dict(bucket_cap_bytes=40, first_bucket_cap_bytes=16)
 BATCH = 12  # divisible by every world size tested (2, 3, 4): equal local batches
 
 # XLA:CPU's quick code generation (LLVM at -O0, the elemental emitters instead of the fusion
-# emitters), opted into by a test with ``quick=True`` for its own training steps and its oracle
-# alike: the same traced program and arithmetic, only the machine code differs, built in ~60% of
-# the default's CPU time (measured: three zero stage-2 steps of the MLP below, 4.7 s -> 2.9 s; the
-# parameters the same within an ulp). On XLA:CPU compiling is most of a small JAX test's time.
-# Tests of the compiled program itself (its collectives, memory_analysis) keep the default.
+# emitters) for a test's own training steps and its oracle alike: the same traced program, built
+# in ~60% of the default's CPU time (three zero stage-2 steps of the MLP below: 4.7 s -> 2.9 s).
+# The whole suite now compiles so through XLA_FLAGS (tests/_xla.py), so ``quick=True`` only says
+# it again per program; it stays for tests run outside the suite's conftest.
 QUICK_CODEGEN = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 

@@ -3,8 +3,10 @@
 import os
 import sys
 
+from tests._xla import host_flags  # imports nothing; ROOT is on PYTHONPATH
+
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[3]}"
+os.environ["XLA_FLAGS"] = host_flags(int(sys.argv[3]))  # compiled as the test process compiles
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 import jax  # noqa: E402

@@ -315,10 +315,11 @@ def test_nnx_gpt_in_a_plain_jit(stage):
     optax within the stage tolerance, and the compiled step's collectives are counted as above.
 
     The reference is plain optax in the user's own jitted step (parameters replicated, the batch
-    split). Tolerance rtol 1.3e-6, atol 1e-5: the attention's key bias has a gradient of zero up to
-    rounding (softmax ignores a constant added to every key), which AdamW divides by its own tiny
-    root mean square, so those elements move by rounding noise alone (6.7e-6 apart after 5 steps,
-    measured, where a parameter is of order 0.02-1); every other element is within rtol 1e-6, atol
+    split). Tolerance rtol 1.3e-6, atol 5e-5 (the float32 bound): the attention's key bias has a
+    gradient of zero up to rounding (softmax ignores a constant added to every key), which AdamW
+    divides by its own tiny root mean square, so those elements move by rounding noise alone
+    (measured after 5 steps, where a parameter is of order 0.02-1: 6.7e-6 apart under XLA's
+    default code generation, 1.2e-5 under the suite's quick one); every other element is within rtol 1e-6, atol
     2e-7 at stages 1-2 and 7.1e-7 at stage 3 (its reduce-scatter sums in another order than the
     reference's all-reduce)."""
     params, nnx_gpt_loss = _nnx_gpt()
@@ -337,7 +338,7 @@ def test_nnx_gpt_in_a_plain_jit(stage):
     assert len(found.get("all-reduce", [])) == (0 if stage == 3 else 1), found
     for i in range(5):
         p, state = step(p, state, *jax.device_put(_tokens(i), NamedSharding(mesh, P(AXIS))))
-    assert_trees_close(hj.unshard_params(p) if stage == 3 else p, _nnx_reference(), rtol=1.3e-6, atol=1e-5,
+    assert_trees_close(hj.unshard_params(p) if stage == 3 else p, _nnx_reference(), rtol=1.3e-6, atol=5e-5,
                        what=f"stage {stage}")
 
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import hybrid.jax as hj
 from hybrid.checkpoint import jax as checkpoint
 from hybrid.models import GPT_MAPPING, FlaxGPT, GPTConfig
+from tests._xla import DEFAULT_CODEGEN
 
 GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -104,7 +105,12 @@ def test_each_device_computes_its_share_of_the_init():
         born = born_sharded(init, key, mesh=_mesh(n), axis_name="dp", order=None, pairing=None, plan=None,
                             bucket_cap_bytes=None, first_bucket_cap_bytes=None)
         assert born.temp_bytes(key) <= one / n * 1.05, (n, born.temp_bytes(key), one)
-        want = _cut(_mesh(n), jax.jit(init)(key), {})
+        # Bit for bit under XLA's default code generation, which users get; the suite's quick
+        # codegen (tests/_xla.py) rounds the uniform's scale and shift 1 ulp apart in the two
+        # programs (measured), so both inits are compiled with the default here.
+        program = born.init_program
+        born.init_program = lambda k: program.lower(k).compile(DEFAULT_CODEGEN)(k)
+        want = _cut(_mesh(n), jax.jit(init).lower(key).compile(DEFAULT_CODEGEN)(key), {})
         for x, y in zip(born(key).buckets, want.buckets):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
