@@ -73,7 +73,7 @@ class ZeroRedundancyOptimizer(ConsolidatedState, Optimizer, Joinable):
         each rank's share is broadcast in one message.
       overlap_with_ddp: the step runs inside DDP's backward through
         :func:`hybrid.torch.hook_with_zero_step` (or ``_interleaved``); ``step()`` does nothing.
-      check_ranks_each_step: run the cross-rank check of the parameter groups (one tiny
+      check_ranks_each_step: (keyword) run the cross-rank check of the parameter groups (one tiny
         all-reduce, read on the host) in every ``step()`` too, not only in the constructor and
         ``add_param_group`` (torch's class checks nowhere). Default ``None``: where the
         parameters live on the CPU, where it costs no device sync. On a GPU, reading the result
@@ -97,7 +97,9 @@ class ZeroRedundancyOptimizer(ConsolidatedState, Optimizer, Joinable):
 
     def __init__(self, params: Iterable, optimizer_class: type[Optimizer], process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 check_ranks_each_step: bool | None = None, **defaults: Any):
+                 **defaults: Any):
+        # Ours alone, so read from **defaults: the signature stays torch's, argument for argument.
+        check_ranks_each_step = defaults.pop("check_ranks_each_step", None)
         params, all_params = _check_params(params)
         _check_same_dense_type(all_params)
         # overlap_with_ddp: the step runs inside DDP's backward (hybrid.torch.hook_with_zero_step).
