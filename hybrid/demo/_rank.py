@@ -1,4 +1,5 @@
-"""One rank of :func:`hybrid.demo.spawn_world`'s gloo world: ``python -m hybrid.demo._rank``.
+"""One rank of :func:`hybrid.demo.spawn_world`'s gloo world: ``python -m hybrid.demo._rank``, or a fork
+of ``hybrid.demo._rank_server`` running :func:`run`.
 
 Reads ``(header, job)`` from stdin (pickled by the parent), connects back to the parent, joins the
 gloo group and runs the job, sending progress, rank 0's result or its traceback. Anything that
@@ -15,7 +16,15 @@ from multiprocessing.connection import Client
 
 
 def main() -> int:
-    header, job = pickle.loads(sys.stdin.buffer.read())
+    return run(sys.stdin.buffer.read())
+
+
+def run(rank_input: bytes) -> int:
+    """Be the rank ``rank_input`` (the pickled ``(header, job)``) describes; its exit code.
+
+    Called by :func:`main` in a fresh interpreter, and by ``hybrid.demo._rank_server`` in a fork.
+    """
+    header, job = pickle.loads(rank_input)
     sys.path[:] = header["sys_path"]  # as the parent finds modules (its script's folder, the working directory)
     rank = header["rank"]
     with Client(header["address"], authkey=header["authkey"]) as parent:

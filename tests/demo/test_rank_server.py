@@ -1,0 +1,37 @@
+"""spawn_world's ranks are forks of one preloaded rank server per calling process
+(``hybrid.demo._forked``): a later world forks from the same server, each rank sees the caller's
+environment and working directory as they are at its start, and ``HYBRID_FRESH_RANKS=1`` gives
+fresh interpreters that compute the same. The deaths and tracebacks ranks report are
+``tests/parity/test_never_hangs.py``'s."""
+
+import os
+
+import numpy as np
+
+from hybrid.demo import TrainConfig, train_torch
+from hybrid.demo import _forked
+from hybrid.demo._world import spawn_world
+
+
+def where_am_i(progress=None):
+    """A rank's view: its directory, a variable the caller set late, its parent process."""
+    return os.getcwd(), os.environ.get("HYBRID_TEST_MARK"), os.getppid()
+
+
+def test_ranks_see_the_callers_directory_and_environment_at_their_start(tmp_path, monkeypatch):
+    spawn_world(where_am_i, world_size=1)  # the server exists from here on, started before the changes below
+    server = _forked._server
+    monkeypatch.setenv("HYBRID_TEST_MARK", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    cwd, mark, parent = spawn_world(where_am_i, world_size=2)
+    assert (cwd, mark) == (str(tmp_path), "set after the server started")
+    assert _forked._server is server and parent == server.proc.pid  # a fork of the same server
+
+
+def test_fresh_interpreters_when_asked_compute_the_same(monkeypatch):
+    config = TrainConfig(num_steps=2)
+    forked = spawn_world(train_torch, config, world_size=2)
+    monkeypatch.setenv("HYBRID_FRESH_RANKS", "1")
+    assert spawn_world(where_am_i, world_size=1)[2] == os.getpid()  # this process's own child
+    fresh = spawn_world(train_torch, config, world_size=2)
+    np.testing.assert_array_equal(forked.losses, fresh.losses)  # same program, same numerics: bit for bit
