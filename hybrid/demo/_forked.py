@@ -127,10 +127,16 @@ class _Server:
         return code
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        # shutdown, not just close: the reader thread's pending recv keeps the socket open until
+        # it returns, and shutdown is what ends it and tells the server its caller is gone.
+        with self._changed:
+            self.alive = False  # the next rank starts a new server
+            self._changed.notify_all()
+        for end in (lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):
+            try:
+                end()
+            except OSError:
+                pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -35,3 +35,15 @@ def test_fresh_interpreters_when_asked_compute_the_same(monkeypatch):
     assert spawn_world(where_am_i, world_size=1)[2] == os.getpid()  # this process's own child
     fresh = spawn_world(train_torch, config, world_size=2)
     np.testing.assert_array_equal(forked.losses, fresh.losses)  # same program, same numerics: bit for bit
+
+
+
+def test_the_server_ends_when_its_caller_closes_it():
+    """What the caller's exit does (atexit): the server sees its socket end and exits by itself,
+    status 0, not killed after the 10 s the caller gives it (the reader thread's pending receive
+    holds a socket that is only closed open: it must be shut down)."""
+    spawn_world(where_am_i, world_size=1)
+    server = _forked._server
+    server.close()
+    assert server.proc.returncode == 0
+    assert spawn_world(where_am_i, world_size=1)[2] != server.proc.pid  # the next world starts a new one
