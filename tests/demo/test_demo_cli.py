@@ -9,13 +9,16 @@ import pytest
 
 from hybrid import cli
 from hybrid.cli.demo import default_out
+from tests._xla import QUICK_CODEGEN_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _demo(*args, cwd, env=None):
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)  # the demo asks for the host devices it needs, as from a fresh shell
+    # The demo asks for the host devices it needs, as from a fresh shell (no device count here);
+    # compiled as the suite compiles (tests/_xla.py)
+    env["XLA_FLAGS"] = QUICK_CODEGEN_FLAGS
     return subprocess.run([sys.executable, "-m", "hybrid", "demo", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=170)
 

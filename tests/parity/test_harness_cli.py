@@ -21,6 +21,7 @@ import sys
 import pytest
 
 import hybrid.parity as hp
+from tests._xla import QUICK_CODEGEN_FLAGS
 from tests.parity._pairs import tiny_data, tiny_flax, tiny_torch_failing_on_rank_1, tiny_torch_unreduced_loss
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def test_a_loss_that_is_no_scalar_is_refused_before_anything_trains():
 
 def _cli_process(*args, cwd=ROOT):
     """``python -m hybrid parity ARGS`` in a fresh interpreter, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": QUICK_CODEGEN_FLAGS, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "hybrid", "parity", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=170)
 

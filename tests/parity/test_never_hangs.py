@@ -22,6 +22,7 @@ import time
 import pytest
 
 import hybrid.parity as hp
+from tests._xla import QUICK_CODEGEN_FLAGS
 from tests.parity._pairs import tiny_data, tiny_flax, tiny_torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,8 +34,8 @@ def test_the_docs_first_example_runs_as_a_script(tmp_path):
     example = re.search(r"## An example on your own pair.*?```python\n(.*?)```", text, re.S).group(1)
     assert "__main__" not in example and "XLA_FLAGS" not in example  # as users copy it
     (tmp_path / "my_pair.py").write_text(example)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
+    # no device count, as from a fresh shell; compiled as the suite compiles (tests/_xla.py)
+    env = {**os.environ, "XLA_FLAGS": QUICK_CODEGEN_FLAGS, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "my_pair.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]

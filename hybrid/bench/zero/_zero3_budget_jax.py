@@ -33,7 +33,9 @@ import tracemalloc
 
 def main(world: int, width: int, depth: int, batch: int, out: str, memory_first: bool = False,
          offload: bool = False) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={world}"
+    # this run's device count; the caller's other XLA flags kept (its code generation, say)
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={world}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
