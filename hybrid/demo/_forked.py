@@ -28,7 +28,12 @@ import time
 
 from hybrid.demo._rank_wire import LENGTH, recv_exact
 
+SERVER_MODULE = "hybrid.demo._rank_server"  # run as python -m SERVER_MODULE FD
 _UNKNOWN_EXIT = 255  # a rank that ended after its server died: its status is lost
+
+
+class ServerGone(RuntimeError):
+    """The rank server ended before it forked the rank asked for (it could not start, say)."""
 
 
 class ForkedRank:
@@ -57,7 +62,7 @@ class _Server:
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.owner = os.getpid()
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybrid.demo._rank_server", str(theirs.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.sock = ours
@@ -96,7 +101,7 @@ class _Server:
                 if not self._changed.wait_for(lambda: self._started or not self.alive, timeout=60):
                     raise RuntimeError("spawn_world: the rank server did not fork a rank within 60 s")
                 if not self._started:
-                    raise RuntimeError(f"spawn_world: the rank server ended ({self._server_exit()})")
+                    raise ServerGone(f"spawn_world: the rank server ended ({self._server_exit()})")
                 return ForkedRank(self, self._started.pop(0))
 
     def _server_exit(self) -> str:
@@ -156,6 +161,12 @@ def _get_server() -> _Server:
                 _server.close()
             _server = _Server()
         return _server
+
+
+def forking_available() -> bool:
+    """Ranks fork from a server on Linux, unless ``HYBRID_FRESH_RANKS=1`` (elsewhere a fork of a
+    process that imported torch is not known to be safe: macOS's runtimes refuse some)."""
+    return sys.platform == "linux" and os.environ.get("HYBRID_FRESH_RANKS") != "1"
 
 
 def start_rank(rank_input: bytes, *, stderr, stdout=None) -> ForkedRank:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Listener
 
-from hybrid.demo._forked import start_rank
+from hybrid.demo._forked import ServerGone, forking_available, start_rank
 
 COLLECTIVE_TIMEOUT_S = 60  # a rank that dies makes the others fail within this, not hang
 _POLL_S = 0.2
@@ -99,8 +99,11 @@ def _start(rank: int, world_size: int, port: int, listener: Listener, authkey: b
     header = {"rank": rank, "world_size": world_size, "port": port, "address": listener.address,
               "authkey": authkey, "report_progress": report_progress and rank == 0, "sys_path": list(sys.path),
               "collective_timeout_s": COLLECTIVE_TIMEOUT_S}
-    if os.environ.get("HYBRID_FRESH_RANKS") != "1":
-        return start_rank(pickle.dumps((header, job)), stderr=log)  # forked from this process's rank server
+    if forking_available():
+        try:
+            return start_rank(pickle.dumps((header, job)), stderr=log)  # forked from this process's rank server
+        except ServerGone:  # it could not start (its error is on stderr): a fresh rank says why in its own log
+            pass
     proc = subprocess.Popen([sys.executable, "-m", "hybrid.demo._rank"], stdin=subprocess.PIPE, stderr=log)
     try:
         proc.stdin.write(pickle.dumps((header, job)))

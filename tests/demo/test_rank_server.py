@@ -47,3 +47,10 @@ def test_the_server_ends_when_its_caller_closes_it():
     server.close()
     assert server.proc.returncode == 0
     assert spawn_world(where_am_i, world_size=1)[2] != server.proc.pid  # the next world starts a new one
+
+
+def test_a_server_that_cannot_start_leaves_the_ranks_fresh_interpreters(monkeypatch, capfd):
+    monkeypatch.setattr(_forked, "SERVER_MODULE", "hybrid.demo._no_such_server")
+    monkeypatch.setattr(_forked, "_server", None)
+    assert spawn_world(where_am_i, world_size=1)[2] == os.getpid()  # a fresh rank: this process's child
+    assert "No module named hybrid.demo._no_such_server" in capfd.readouterr().err  # the server said why
