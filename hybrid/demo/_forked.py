@@ -95,8 +95,11 @@ class _Server:
     def start(self, rank_input: bytes, stdout: int, stderr: int) -> ForkedRank:
         request = pickle.dumps({"rank_input": rank_input, "cwd": os.getcwd(), "environ": dict(os.environ)})
         with self._lock:
-            socket.send_fds(self.sock, [LENGTH.pack(len(request))], [stdout, stderr])
-            self.sock.sendall(request)
+            try:
+                socket.send_fds(self.sock, [LENGTH.pack(len(request))], [stdout, stderr])
+                self.sock.sendall(request)
+            except OSError as e:  # it ended since the last rank (killed, say)
+                raise ServerGone(f"spawn_world: the rank server ended ({self._server_exit()}): {e}") from e
             with self._changed:
                 if not self._changed.wait_for(lambda: self._started or not self.alive, timeout=60):
                     raise RuntimeError("spawn_world: the rank server did not fork a rank within 60 s")
