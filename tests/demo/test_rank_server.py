@@ -28,25 +28,35 @@ def test_ranks_see_the_callers_directory_and_environment_at_their_start(tmp_path
     assert _forked._server is server and parent == server.proc.pid  # a fork of the same server
 
 
+def train_where(config, progress=None):
+    """``train_torch``'s losses and the rank's parent process."""
+    return train_torch(config).losses, os.getppid()
+
+
 def test_fresh_interpreters_when_asked_compute_the_same(monkeypatch):
     config = TrainConfig(num_steps=2)
-    forked = spawn_world(train_torch, config, world_size=2)
+    forked, _ = spawn_world(train_where, config, world_size=1)
     monkeypatch.setenv("HYBRID_FRESH_RANKS", "1")
-    assert spawn_world(where_am_i, world_size=1)[2] == os.getpid()  # this process's own child
-    fresh = spawn_world(train_torch, config, world_size=2)
-    np.testing.assert_array_equal(forked.losses, fresh.losses)  # same program, same numerics: bit for bit
+    fresh, parent = spawn_world(train_where, config, world_size=1)
+    assert parent == os.getpid()  # this process's own child
+    np.testing.assert_array_equal(forked, fresh)  # same program, same numerics: bit for bit
 
 
-
-def test_the_server_ends_when_its_caller_closes_it():
+def test_the_server_ends_when_its_caller_closes_it(monkeypatch):
     """What the caller's exit does (atexit): the server sees its socket end and exits by itself,
     status 0, not killed after the 10 s the caller gives it (the reader thread's pending receive
-    holds a socket that is only closed open: it must be shut down)."""
-    spawn_world(where_am_i, world_size=1)
+    holds a socket that is only closed open: it must be shut down). The protocol alone: a server
+    without the preloads (``tests/demo/_bare_rank_server.py``), beside this process's own."""
+    monkeypatch.setattr(_forked, "SERVER_MODULE", "tests.demo._bare_rank_server")
+    monkeypatch.setattr(_forked, "_server", _forked._Server())
     server = _forked._server
+    with open(os.devnull, "wb") as null:
+        assert _forked.start_rank(b"not a pickle", stderr=null).wait(timeout=60) == 1
     server.close()
     assert server.proc.returncode == 0
-    assert spawn_world(where_am_i, world_size=1)[2] != server.proc.pid  # the next world starts a new one
+    again = _forked._get_server()  # the next rank starts a new server
+    assert again is not server and again.alive
+    again.close()
 
 
 def test_a_server_that_cannot_start_leaves_the_ranks_fresh_interpreters(monkeypatch, capfd):
