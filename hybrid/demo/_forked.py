@@ -180,6 +180,21 @@ def start_rank(rank_input: bytes, *, stderr, stdout=None) -> ForkedRank:
     return _get_server().start(rank_input, out, stderr.fileno())
 
 
+def _forget_server_in_child() -> None:
+    """A fork of this process keeps no copy of the server's socket: held open there, it would keep
+    the server alive after this process ends. Only the child's copy is closed (no shutdown)."""
+    global _server
+    if _server is not None:
+        try:
+            _server.sock.close()
+        except OSError:
+            pass
+        _server = None
+
+
+os.register_at_fork(after_in_child=_forget_server_in_child)
+
+
 @atexit.register
 def _close_server() -> None:
     if _server is not None and _server.owner == os.getpid():

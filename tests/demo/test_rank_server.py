@@ -64,3 +64,17 @@ def test_a_server_that_cannot_start_leaves_the_ranks_fresh_interpreters(monkeypa
     monkeypatch.setattr(_forked, "_server", None)
     assert spawn_world(where_am_i, world_size=1)[2] == os.getpid()  # a fresh rank: this process's child
     assert "No module named hybrid.demo._no_such_server" in capfd.readouterr().err  # the server said why
+
+
+def test_a_fork_of_the_caller_holds_no_copy_of_the_servers_socket():
+    spawn_world(where_am_i, world_size=1)
+    fd = _forked._server.sock.fileno()
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the socket is closed, the server forgotten
+        try:
+            os.fstat(fd)
+            os._exit(1)
+        except OSError:
+            os._exit(0 if _forked._server is None else 2)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert _forked._server.alive  # the parent's is untouched
