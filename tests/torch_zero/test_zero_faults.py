@@ -108,6 +108,10 @@ def _fault_worker(mode, survivor_done, rank, port, out):
         _FAULT[0], _SURVIVOR_DONE[0] = fault, survivor_done
     report_outcome(rank, out, iteration)
     if rank != victim:
+        # The report on its way first: Queue.put hands it to a feeder thread, so the stalled
+        # victim, woken by the event, could otherwise report first (seen once under load).
+        out.close()
+        out.join_thread()
         survivor_done.set()
 
 
