@@ -7,6 +7,7 @@ fresh interpreters that compute the same. The deaths and tracebacks ranks report
 import os
 
 import numpy as np
+import pytest
 
 from hybrid.demo import TrainConfig, train_torch
 from hybrid.demo import _forked
@@ -66,6 +67,9 @@ def test_a_server_that_cannot_start_leaves_the_ranks_fresh_interpreters(monkeypa
     assert "No module named hybrid.demo._no_such_server" in capfd.readouterr().err  # the server said why
 
 
+# The child only looks at one descriptor and _exits: none of JAX's threads (if this worker has
+# imported it) are needed there.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_a_fork_of_the_caller_holds_no_copy_of_the_servers_socket():
     spawn_world(where_am_i, world_size=1)
     fd = _forked._server.sock.fileno()
