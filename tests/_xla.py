@@ -9,10 +9,12 @@ No imports: ``tests/conftest.py`` reads this before anything imports jax.
 # and compiling is most of a small JAX test's time on XLA:CPU (tests/jax's four slowest files from
 # an empty compilation cache: 139.6 -> 86.6 CPU-s). Processes that are compared with each other
 # must compile alike, so every JAX process a test starts gets these too.
-QUICK_CODEGEN_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+QUICK_CODEGEN = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+QUICK_CODEGEN_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in QUICK_CODEGEN.items())
 
-# XLA's own defaults of those two options, for a test of what the default code generation
-# computes: ``jax.jit(f).lower(*args).compile(DEFAULT_CODEGEN)``.
+# As compile options, ``jax.jit(f, compiler_options=QUICK_CODEGEN)``; XLA's own defaults of the
+# two, for a test of what the default code generation computes:
+# ``jax.jit(f).lower(*args).compile(DEFAULT_CODEGEN)``.
 DEFAULT_CODEGEN = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from hybrid.demo._rank_wire import LENGTH, recv_exact
+from hybrid.demo._rank_wire import LENGTH, recv_message
 
 SERVER_MODULE = "hybrid.demo._rank_server"  # run as python -m SERVER_MODULE FD
 _UNKNOWN_EXIT = 255  # a rank that ended after its server died: its status is lost
@@ -61,7 +61,6 @@ class ForkedRank:
 class _Server:
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.owner = os.getpid()
         self.proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
@@ -76,16 +75,14 @@ class _Server:
     def _read(self) -> None:
         while True:
             try:
-                head = recv_exact(self.sock, LENGTH.size)
-                body = None if head is None else recv_exact(self.sock, LENGTH.unpack(head)[0])
+                message = recv_message(self.sock)
             except OSError:
-                body = None
+                message = None
             with self._changed:
-                if body is None:
+                if message is None:
                     self.alive = False
                     self._changed.notify_all()
                     return
-                message = pickle.loads(body)
                 if message[0] == "started":
                     self._started.append(message[1])
                 else:
@@ -159,8 +156,9 @@ _server_lock = threading.Lock()
 def _get_server() -> _Server:
     global _server
     with _server_lock:
-        if _server is None or _server.owner != os.getpid() or not _server.alive:
-            if _server is not None and _server.owner == os.getpid():
+        # A fork of this process starts with none (_forget_server_in_child)
+        if _server is None or not _server.alive:
+            if _server is not None:
                 _server.close()
             _server = _Server()
         return _server
@@ -197,5 +195,5 @@ os.register_at_fork(after_in_child=_forget_server_in_child)
 
 @atexit.register
 def _close_server() -> None:
-    if _server is not None and _server.owner == os.getpid():
+    if _server is not None:
         _server.close()

@@ -25,3 +25,10 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def recv_message(sock: socket.socket):
+    """The next :func:`send_message`'s message, or None at end of stream."""
+    head = recv_exact(sock, LENGTH.size)
+    body = None if head is None else recv_exact(sock, LENGTH.unpack(head)[0])
+    return None if body is None else pickle.loads(body)

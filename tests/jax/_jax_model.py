@@ -9,6 +9,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import hybrid.jax as hj
+from tests._xla import QUICK_CODEGEN
 
 # Small caps so the 26 parameters fall into several buckets whose lengths 3 and 4 do not divide.
 CAPS = dict(bucket_cap_bytes=40, first_bucket_cap_bytes=16)
@@ -19,7 +20,6 @@ BATCH = 12  # divisible by every world size tested (2, 3, 4): equal local batche
 # in ~60% of the default's CPU time (three zero stage-2 steps of the MLP below: 4.7 s -> 2.9 s).
 # The whole suite now compiles so through XLA_FLAGS (tests/_xla.py), so ``quick=True`` only says
 # it again per program; it stays for tests run outside the suite's conftest.
-QUICK_CODEGEN = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 def jitted(fun, *, quick=False, **kwargs):
