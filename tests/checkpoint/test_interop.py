@@ -4,8 +4,6 @@ Same-framework round trips are exact (bitwise); torch -> optax is compared after
 with the parity tolerance (float32, two implementations of Adam's arithmetic).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,10 +66,10 @@ def test_torch_state_dicts_out_and_in(tmp_path, cls, kw):
     _assert_same_torch(model, opt, third, third_opt)
 
 
-def _zero_run(num_devices, tx, *, quick=False):
+def _zero_run(num_devices, tx):
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("dp",))
     params = make_params()
-    init, step = shard_map_train(tx, mesh, params, quick=quick)
+    init, step = shard_map_train(tx, mesh, params)
     return params, init, step
 
 
@@ -83,12 +81,12 @@ def _leaves_close(a, b, rtol, atol):
 def test_plain_optax_state_into_zero_and_out(tmp_path):
     # Unsharded adam for 2 steps, saved in 3 files; loaded into zero(adam) on 2 devices, 3 more
     # steps must follow unsharded adam (rtol 1e-6, atol 2e-7 as tests/jax: a mean of per-device
-    # means vs one mean). Every step jitted with tests/jax's quick code generation, the oracle's
-    # alike (compiling is most of this test's time; op by op, each operation compiled alone).
+    # means vs one mean). Every step jitted, the oracle's alike (compiling
+    # is most of this test's time; op by op, each operation compiled alone).
     inner = optax.adam(0.05)
-    history = reference(inner, make_params(), 5, quick=True)
+    history = reference(inner, make_params(), 5)
 
-    @functools.partial(jitted, quick=True)
+    @jitted
     def plain_step(params, state, x, y):
         u, state = inner.update(jax.grad(loss)(params, x, y), state, params)
         return optax.apply_updates(params, u), state
@@ -100,7 +98,7 @@ def test_plain_optax_state_into_zero_and_out(tmp_path):
     ckpt_jax.save(tmp_path / "plain", params, state, step=2, world_size=3)
 
     tx = hj.zero(inner, "dp", stage=2, **CAPS)
-    start, init, step = _zero_run(2, tx, quick=True)
+    start, init, step = _zero_run(2, tx)
     zstate = init(start)
     zparams, zstate, saved_step = ckpt_jax.load(tmp_path / "plain", start, zstate, **CAPS)
     assert saved_step == 2

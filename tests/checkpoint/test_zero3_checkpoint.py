@@ -6,9 +6,9 @@ the order of float32 additions in the gradient mean); loading moves elements and
 so loaded tensors are compared bitwise. Across frameworks it is the parity tolerance of
 tests/checkpoint/test_resume.py (losses rtol 1e-5 / atol 1e-6, parameters rtol 1e-4 / atol 1e-5).
 
-The JAX steps here, the uninterrupted run and the resumed ones alike, are compiled with
-tests/jax's ``quick=True`` (XLA:CPU's quick code generation: the same program and arithmetic, the
-parameters the same within an ulp, in ~60% of the compile time that is most of this file's).
+The JAX steps here, the uninterrupted run and the resumed ones alike, are compiled with the suite's
+XLA:CPU quick code generation (tests/_xla.py: the same program and arithmetic, the parameters the
+same within an ulp, in ~60% of the compile time that is most of this file's).
 """
 
 import functools
@@ -38,7 +38,7 @@ def stage3_run(world_size=4):
     """4 devices, stage 3: the shards and state after SAVE steps, and the params after STOP."""
     mesh = mesh_of(world_size)
     shards = cut(make_params(), mesh)
-    init, step = stage3_train(hj.zero(INNER(), "dp", stage=3), mesh, shards, quick=True)
+    init, step = stage3_train(hj.zero(INNER(), "dp", stage=3), mesh, shards)
     state, saved = init(shards), None
     for i in range(STOP):
         shards, state = step(shards, state, *make_batch(i))
@@ -74,7 +74,7 @@ def _resume_stage3(path, world_size):
     mesh = mesh_of(world_size)
     shards = cut(make_params(seed=9), mesh)  # another start: the load must replace it
     tx = hj.zero(INNER(), "dp", stage=3)
-    init, step = stage3_train(tx, mesh, shards, quick=True)
+    init, step = stage3_train(tx, mesh, shards)
     shards, state, at = ckpt_jax.load(path, shards, init(shards))
     return shards, state, at, step
 
@@ -100,7 +100,7 @@ def test_resumes_in_stage_3_at_another_device_count(saved, tmp_path, world_size)
 @pytest.mark.parametrize("stage,world_size", [(1, 1), (2, 3)])
 def test_resumes_in_stages_1_and_2(saved, stage, world_size):
     mesh = mesh_of(world_size)
-    init, step = shard_map_train(hj.zero(INNER(), "dp", stage=stage, **CAPS), mesh, make_params(), quick=True)
+    init, step = shard_map_train(hj.zero(INNER(), "dp", stage=stage, **CAPS), mesh, make_params())
     params, state, at = ckpt_jax.load(saved, make_params(seed=9), init(make_params(seed=9)), **CAPS)
     assert at == SAVE
     for i in range(SAVE, STOP):

@@ -61,12 +61,10 @@ def _mesh(n):
 
 
 def _step(tx, loss):
-    # Compiled with tests/jax's quick code generation, the zero runs and their plain-optax
-    # reference alike (the same program and arithmetic, in ~60% of the compile time).
     def step(params, state, x, y):
         u, state = tx.update(jax.grad(loss)(params, x, y), state, params)
         return optax.apply_updates(params, u), state
-    return jitted(step, quick=True)
+    return jitted(step)
 
 
 @functools.cache

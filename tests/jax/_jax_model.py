@@ -1,7 +1,5 @@
 """A tiny MLP, its data and the unsharded reference every jax test compares against."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,22 +7,19 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import hybrid.jax as hj
-from tests._xla import QUICK_CODEGEN
 
 # Small caps so the 26 parameters fall into several buckets whose lengths 3 and 4 do not divide.
 CAPS = dict(bucket_cap_bytes=40, first_bucket_cap_bytes=16)
 BATCH = 12  # divisible by every world size tested (2, 3, 4): equal local batches
 
-# XLA:CPU's quick code generation (LLVM at -O0, the elemental emitters instead of the fusion
-# emitters) for a test's own training steps and its oracle alike: the same traced program, built
-# in ~60% of the default's CPU time (three zero stage-2 steps of the MLP below: 4.7 s -> 2.9 s).
-# The whole suite now compiles so through XLA_FLAGS (tests/_xla.py), so ``quick=True`` only says
-# it again per program; it stays for tests run outside the suite's conftest.
 
-
-def jitted(fun, *, quick=False, **kwargs):
-    """``jax.jit(fun, **kwargs)``, with :data:`QUICK_CODEGEN` when ``quick``."""
-    return jax.jit(fun, compiler_options=QUICK_CODEGEN if quick else None, **kwargs)
+def jitted(fun, **kwargs):
+    """``jax.jit(fun, **kwargs)``: every program of the suite compiles with XLA:CPU's quick code
+    generation through ``XLA_FLAGS`` (tests/_xla.py, set by the conftest and handed to every JAX
+    process a test starts), so no program names it again. One set of compile options for all also
+    gives one compilation-cache key per program: a step passed ``compiler_options`` here missed the
+    entry the same program compiled elsewhere had written."""
+    return jax.jit(fun, **kwargs)
 
 
 def make_params(seed=0):
@@ -45,11 +40,11 @@ def loss(params, x, y):
     return jnp.mean((out - y) ** 2)
 
 
-def reference(tx, params, num_steps, *, quick=False):
+def reference(tx, params, num_steps):
     """The unsharded transform on the full-batch gradient: what every sharded run must equal."""
     state = tx.init(params)
 
-    @functools.partial(jitted, quick=quick)
+    @jitted
     def step(params, state, x, y):
         g = jax.grad(loss)(params, x, y)
         u, state = tx.update(g, state, params)
@@ -62,13 +57,12 @@ def reference(tx, params, num_steps, *, quick=False):
     return history
 
 
-def shard_map_train(tx, mesh, params, *, jit=True, donate_state=False, quick=False):
+def shard_map_train(tx, mesh, params, *, jit=True, donate_state=False):
     """``(init, step)`` of a data-parallel training loop of ``tx`` over ``mesh``'s axis ``"dp"``.
 
     As users write it: ``local_grad`` per device, state specs from ``hybrid.jax.state_specs``,
     params replicated, the batch split over ``"dp"``, default ``check_vma``. ``donate_state``
-    donates the state to the jitted step (persistent buckets are then filled in place);
-    ``quick``: compiled with :data:`QUICK_CODEGEN`.
+    donates the state to the jitted step (persistent buckets are then filled in place).
     """
     specs = hj.state_specs(tx, params, "dp", axis_size=mesh.size)
 
@@ -80,8 +74,8 @@ def shard_map_train(tx, mesh, params, *, jit=True, donate_state=False, quick=Fal
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
     step = jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("dp"), P("dp")), out_specs=(P(), specs))
     if jit:
-        init = jitted(init, quick=quick)
-        step = jitted(step, quick=quick, donate_argnums=(1,) if donate_state else ())
+        init = jitted(init)
+        step = jitted(step, donate_argnums=(1,) if donate_state else ())
     return init, step
 
 

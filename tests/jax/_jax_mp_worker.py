@@ -35,9 +35,9 @@ def train(tx, reference_tx, what: str, mesh):
 
     params0 = make_params()
     params = jax.tree_util.tree_map(lambda x: global_array(x, P()), params0)
-    init, step = shard_map_train(tx, mesh, params0, donate_state=True, quick=True)  # _jax_model's QUICK_CODEGEN
+    init, step = shard_map_train(tx, mesh, params0, donate_state=True)
     state = init(params)
-    ref = reference(reference_tx, params0, NUM_STEPS, quick=True)
+    ref = reference(reference_tx, params0, NUM_STEPS)
     for i in range(NUM_STEPS):
         x, y = make_batch(i)
         params, state = step(params, state, global_array(x, P("dp")), global_array(y, P("dp")))

@@ -35,7 +35,7 @@ def _reference():
     state after each of the 5 steps (both stages' oracle, computed once)."""
     ref_tx = optax.apply_if_finite(_chain(), 3)
 
-    @functools.partial(jitted, quick=True)
+    @jitted
     def step(ref, ref_state, x, y):
         u, ref_state = ref_tx.update(jax.grad(loss)(ref, x, y), ref_state, ref)
         return optax.apply_updates(ref, u), ref_state
@@ -52,7 +52,7 @@ def test_skip_around_the_natural_chain_equals_optax(stage):
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     tx = hj.zero(hj.apply_if_finite(_chain(), 3, "dp"), "dp", stage=stage, **CAPS)
     params = make_params()
-    init, step = shard_map_train(tx, mesh, params, quick=True)
+    init, step = shard_map_train(tx, mesh, params)
     state = init(params)
     for i, (ref, ref_state) in enumerate(_reference()):
         params, state = step(params, state, *_batch(i))

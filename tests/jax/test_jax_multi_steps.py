@@ -25,7 +25,7 @@ def _adamw():
 
 
 def _reference():
-    return reference(optax.MultiSteps(_adamw(), K), make_params(), MICRO_STEPS, quick=True)
+    return reference(optax.MultiSteps(_adamw(), K), make_params(), MICRO_STEPS)
 
 
 def _stage3(tx):
@@ -57,7 +57,7 @@ def _run_warned(tx, stage):
         init, step, params = _stage3(tx)
     else:
         params = make_params()
-        init, step = shard_map_train(tx, MESH, params, quick=True)
+        init, step = shard_map_train(tx, MESH, params)
     state, history = init(params), []
     for i in range(MICRO_STEPS):
         params, state = step(params, state, *make_batch(i))

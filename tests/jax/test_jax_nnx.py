@@ -173,7 +173,7 @@ def test_nnx_optimizer_zero_under_plain_jit(stage, jit):
             optimizer.update(model, nnx.grad(nnx_loss)(model, idx, tgt))
             return nnx.state((model, optimizer))
 
-        compiled = jitted(pure_step, quick=True).lower(state, *batch(0)).compile()  # the collectives: XLA's
+        compiled = jitted(pure_step).lower(state, *batch(0)).compile()  # the collectives: XLA's
         text = compiled.as_text()                                                   # passes, not its codegen
 
         def run(i):
@@ -306,10 +306,8 @@ def test_functional_split_merge_under_jax_jit():
         updates, state = tx.update(hj.local_grad(loss, AXIS)(params, idx, tgt), state, params)
         return optax.apply_updates(params, updates), state
 
-    # the tests' quick code generation (tests/jax/_jax_model.py): the same program, built sooner
-    init = jitted(jax.shard_map(tx.init, mesh=MESH, in_specs=P(), out_specs=specs), quick=True)
-    step = jitted(jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)),
-                  quick=True)
+    init = jitted(jax.shard_map(tx.init, mesh=MESH, in_specs=P(), out_specs=specs))
+    step = jitted(jax.shard_map(step, mesh=MESH, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)))
     state = init(params)
     for i in range(STEPS):
         params, state = step(params, state, *_batch(i))
@@ -328,9 +326,9 @@ def _stage3_run(shards):
         updates, state = tx.update(jax.grad(loss)(shards, idx, tgt), state, shards)
         return optax.apply_updates(shards, updates), state
 
-    init = jitted(jax.shard_map(tx.init, mesh=MESH, in_specs=P(AXIS), out_specs=specs), quick=True)
+    init = jitted(jax.shard_map(tx.init, mesh=MESH, in_specs=P(AXIS), out_specs=specs))
     step = jitted(jax.shard_map(step, mesh=MESH, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
-                                out_specs=(P(AXIS), specs)), quick=True)
+                                out_specs=(P(AXIS), specs)))
     state = init(shards)
     for i in range(STEPS):
         shards, state = step(shards, state, *_batch(i))

@@ -43,7 +43,7 @@ def _check(history, ref):
 @functools.cache
 def reference_history(name, num_steps=NUM_STEPS):
     """The unsharded inner transform's parameters after each step (computed once per name)."""
-    return reference(INNER[name](None), make_params(), num_steps, quick=True)
+    return reference(INNER[name](None), make_params(), num_steps)
 
 
 @functools.cache
@@ -53,7 +53,7 @@ def run_shard_map(name, stage, world_size, *, jit=True, num_steps=NUM_STEPS):
     mesh = Mesh(np.array(jax.devices()[:world_size]), ("dp",))
     tx = hj.zero(INNER[name]("dp"), "dp", stage=stage, **CAPS)
     params = make_params()
-    init, step = shard_map_train(tx, mesh, params, jit=jit, quick=True)
+    init, step = shard_map_train(tx, mesh, params, jit=jit)
     state, history = init(params), []
     for i in range(num_steps):
         params, state = step(params, state, *make_batch(i))
@@ -152,7 +152,7 @@ def test_bucket_of_zero_size_leaves(stage):
     params = {**make_params(), "empty": jnp.zeros((0,), jnp.bfloat16)}
     assert [b.length for b in plan_buckets(hj.specs(params), **CAPS).buckets if b.dtype == "bfloat16"] == [0]
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
-    init, step = shard_map_train(hj.zero(INNER["adamw"]("dp"), "dp", stage=stage, **CAPS), mesh, params, quick=True)
+    init, step = shard_map_train(hj.zero(INNER["adamw"]("dp"), "dp", stage=stage, **CAPS), mesh, params)
     state, history = init(params), []
     for i in range(3):
         params, state = step(params, state, *make_batch(i))

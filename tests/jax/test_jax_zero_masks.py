@@ -57,7 +57,7 @@ CASES = {
 
 @functools.cache
 def reference_history(name):
-    return reference(CASES[name](None), make_params(), NUM_STEPS, quick=True)
+    return reference(CASES[name](None), make_params(), NUM_STEPS)
 
 
 TABLE = ([(name, stage, 1) for name in CASES for stage in (1, 2)] + [(name, 2, 4) for name in CASES]
@@ -69,7 +69,7 @@ def test_masks_inside_zero_equal_unsharded(name, stage, world_size):
     mesh = Mesh(np.array(jax.devices()[:world_size]), ("dp",))
     tx = hj.zero(CASES[name]("dp"), "dp", stage=stage, **CAPS)
     params = make_params()
-    init, step = shard_map_train(tx, mesh, params, quick=True)
+    init, step = shard_map_train(tx, mesh, params)
     state = init(params)
     for i, want in enumerate(reference_history(name)):
         params, state = step(params, state, *make_batch(i))
@@ -85,7 +85,7 @@ def test_frozen_leaves_do_not_move():
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     tx = hj.zero(CASES["multi_transform_frozen"]("dp"), "dp", **CAPS)
     start = params = make_params()
-    init, step = shard_map_train(tx, mesh, params, quick=True)
+    init, step = shard_map_train(tx, mesh, params)
     state = init(params)
     for i in range(3):
         params, state = step(params, state, *make_batch(i))

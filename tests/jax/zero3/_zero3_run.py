@@ -20,10 +20,9 @@ def cut(params, mesh, **caps):
                                  out_specs=P("dp")))(params)
 
 
-def stage3_train(tx, mesh, shards, *, reshard_after_forward=True, quick=False):
+def stage3_train(tx, mesh, shards, *, reshard_after_forward=True):
     """``(init, step)``: ``step(shards, state, x, y)`` takes jax.grad of the gathered loss with
-    respect to the shards (already reduce-scattered) and steps them with ``tx``; ``quick``:
-    compiled with ``tests.jax._jax_model.QUICK_CODEGEN``."""
+    respect to the shards (already reduce-scattered) and steps them with ``tx``."""
     specs = hj.state_specs(tx, shards, "dp", axis_size=mesh.size)
     loss_of_shards = hj.gathered(loss, reshard_after_forward=reshard_after_forward)
 
@@ -32,7 +31,7 @@ def stage3_train(tx, mesh, shards, *, reshard_after_forward=True, quick=False):
         u, state = tx.update(g, state, shards)
         return optax.apply_updates(shards, u), state
 
-    init = jitted(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs), quick=quick)
+    init = jitted(jax.shard_map(tx.init, mesh=mesh, in_specs=P("dp"), out_specs=specs))
     step = jitted(jax.shard_map(step, mesh=mesh, in_specs=(P("dp"), specs, P("dp"), P("dp")),
-                                out_specs=(P("dp"), specs)), quick=quick)
+                                out_specs=(P("dp"), specs)))
     return init, step

@@ -37,7 +37,7 @@ INNER = {
 
 @functools.cache
 def reference_history(name, num_steps=NUM_STEPS):
-    return reference(INNER[name](None), make_params(), num_steps, quick=True)
+    return reference(INNER[name](None), make_params(), num_steps)
 
 
 @functools.cache
@@ -47,7 +47,7 @@ def run_stage3(name, world_size, reshard_after_forward=True, num_steps=NUM_STEPS
     mesh = mesh_of(world_size)
     shards = cut(make_params(), mesh)
     init, step = stage3_train(hj.zero(INNER[name]("dp"), "dp", stage=3), mesh, shards,
-                              reshard_after_forward=reshard_after_forward, quick=True)
+                              reshard_after_forward=reshard_after_forward)
     state, history = init(shards), []
     for i in range(num_steps):
         shards, state = step(shards, state, *make_batch(i))
