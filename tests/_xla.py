@@ -12,8 +12,9 @@ No imports: ``tests/conftest.py`` reads this before anything imports jax.
 QUICK_CODEGEN = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 QUICK_CODEGEN_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in QUICK_CODEGEN.items())
 
-# As compile options, ``jax.jit(f, compiler_options=QUICK_CODEGEN)``; XLA's own defaults of the
-# two, for a test of what the default code generation computes:
+# Given through XLA_FLAGS only: a program also passed them as ``compiler_options`` gets a
+# compilation-cache key of its own and misses the entry the same program wrote elsewhere. XLA's own
+# defaults of the two, for a test of what the default code generation computes:
 # ``jax.jit(f).lower(*args).compile(DEFAULT_CODEGEN)``.
 DEFAULT_CODEGEN = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
